@@ -1,0 +1,279 @@
+"""omni_core.storage: the same behaviour on a local directory and on S3 (a moto server)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from omni_core.errors import StorageError
+from omni_core.storage import ObjectNotFoundError, Store, open_store
+
+MiB = 2**20
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    if request.param == "local":
+        return Store(str(tmp_path / "store"))
+    bucket = request.getfixturevalue("s3_bucket")
+    return Store(f"s3://{bucket}/some/prefix")
+
+
+def _is_s3(store: Store) -> bool:
+    return store.root.startswith("s3://")
+
+
+def _pending_uploads(s3_client, store: Store) -> list[dict]:
+    bucket = store.root[len("s3://") :].split("/")[0]
+    return s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+
+def _payload(n_chunks: int, chunk: int = 4 * MiB) -> list[bytes]:
+    return [os.urandom(16) * (chunk // 16) for _ in range(n_chunks)]
+
+
+# ---- the same cases on both backends ------------------------------------------------------------
+
+
+def test_bytes_and_text_round_trip(store: Store) -> None:
+    store.write_bytes("a/b/c.bin", b"\x00\x01hello")
+    assert store.read_bytes("a/b/c.bin") == b"\x00\x01hello"
+    store.write_text("t.txt", "héllo\n")
+    assert store.read_text("t.txt") == "héllo\n"
+    store.write_bytes("empty", b"")
+    assert store.read_bytes("empty") == b""
+    assert store.uri("a/b/c.bin") == f"{store.root}/a/b/c.bin"
+
+
+def test_streamed_multi_mb_write_and_read(store: Store, request: pytest.FixtureRequest) -> None:
+    chunks = _payload(3)  # 12 MiB in 4 MiB writes: more than one 8 MiB part on S3
+    with store.open_write("big/blob.bin") as f:
+        for c in chunks:
+            f.write(c)
+    data = b"".join(chunks)
+    with store.open_read("big/blob.bin") as f:
+        got = b"".join(iter(lambda: f.read(MiB), b""))
+        f.seek(5 * MiB)
+        assert f.read(10) == data[5 * MiB : 5 * MiB + 10]
+    assert got == data
+    if _is_s3(store):  # it really went through a multipart upload
+        s3 = request.getfixturevalue("s3_client")
+        bucket, _, prefix = store.root[len("s3://") :].partition("/")
+        etag = s3.head_object(Bucket=bucket, Key=f"{prefix}/big/blob.bin")["ETag"]
+        assert etag.strip('"').endswith("-2")
+
+
+def test_list_sorted_recursive_prefix_filtered_no_temp_files(store: Store) -> None:
+    for key in ["c", "ab/3", "a/b/2", "a/1"]:
+        store.write_bytes(key, b"x")
+    with store.open_write("a/in-progress") as f:
+        f.write(b"y" * (9 * MiB))  # on S3 a part is already uploaded, locally a temp file exists
+        assert store.list() == ["a/1", "a/b/2", "ab/3", "c"]
+        assert store.list("a") == ["a/1", "a/b/2"]
+        assert store.list("a/") == ["a/1", "a/b/2"]
+    assert store.list("a") == ["a/1", "a/b/2", "a/in-progress"]
+    assert store.list("a/b") == ["a/b/2"]
+    assert store.list("c") == ["c"]
+    assert store.list("missing") == []
+
+
+def test_exists_and_delete_object_and_prefix(store: Store) -> None:
+    for key in ["d/x/1", "d/x/2", "d/y", "dd/z"]:
+        store.write_bytes(key, b"1")
+    assert store.exists("d/y")
+    assert not store.exists("d/nope")
+    store.delete("d/y")
+    assert not store.exists("d/y")
+    store.delete("d/y")  # missing is not an error
+    store.delete("d")  # a prefix: everything under it, but not the sibling "dd/..."
+    assert store.list() == ["dd/z"]
+    assert not store.exists("d/x/1")
+    store.delete("no/such/prefix")
+
+
+def test_sha256_matches_hashlib(store: Store) -> None:
+    data = b"".join(_payload(2, MiB)) + b"tail"
+    store.write_bytes("h.bin", data)
+    assert store.sha256("h.bin") == hashlib.sha256(data).hexdigest()
+
+
+def test_json_round_trip_is_canonical(store: Store) -> None:
+    obj = {"b": [1, 2.5, None], "a": {"z": "ü", "y": True}}
+    store.write_json("m/_manifest.json", obj)
+    assert store.read_json("m/_manifest.json") == obj
+    assert store.read_text("m/_manifest.json") == json.dumps(obj, sort_keys=True, indent=2) + "\n"
+
+
+def test_parquet_through_open_write_and_open_read(store: Store) -> None:
+    table = pa.table({"id": list(range(50_000)), "text": [f"row {i}" for i in range(50_000)]})
+    with store.open_write("datasets/x/v1/train-00000.parquet") as f:
+        writer = pq.ParquetWriter(f, table.schema)
+        for batch in table.to_batches(max_chunksize=10_000):
+            writer.write_batch(batch)
+        writer.close()
+    with store.open_read("datasets/x/v1/train-00000.parquet") as f:
+        pf = pq.ParquetFile(f)
+        assert pf.metadata.num_rows == 50_000
+        assert pf.read().equals(table)
+
+
+def test_interrupted_write_leaves_previous_version(store: Store, request: pytest.FixtureRequest) -> None:
+    store.write_bytes("obj.bin", b"version 1")
+    with pytest.raises(RuntimeError, match="boom"), store.open_write("obj.bin") as f:
+        for c in _payload(3):
+            f.write(c)
+        raise RuntimeError("boom")
+    with pytest.raises(KeyboardInterrupt), store.open_write("new.bin") as f:
+        f.write(b"z" * (9 * MiB))
+        raise KeyboardInterrupt
+    assert store.read_bytes("obj.bin") == b"version 1"
+    assert not store.exists("new.bin")
+    assert store.list() == ["obj.bin"]
+    if _is_s3(store):  # the multipart uploads were aborted, not left behind
+        assert _pending_uploads(request.getfixturevalue("s3_client"), store) == []
+    else:
+        assert sorted(p.name for p in Path(store.root).iterdir()) == ["obj.bin"]
+
+
+def test_write_killed_with_the_process_leaves_nothing(store: Store, request: pytest.FixtureRequest) -> None:
+    store.write_bytes("obj.bin", b"version 1")
+    child = textwrap.dedent(
+        """
+        import sys, time
+        from omni_core.storage import Store
+        store = Store(sys.argv[1])
+        with store.open_write("obj.bin") as f1, store.open_write("fresh.bin") as f2:
+            for _ in range(3):
+                f1.write(b"a" * 4 * 2**20)
+                f2.write(b"b" * 4 * 2**20)
+            print("half-written", flush=True)
+            time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child, store.root], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "half-written"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    assert proc.returncode == -signal.SIGKILL
+    assert store.read_bytes("obj.bin") == b"version 1"
+    assert not store.exists("fresh.bin")
+    assert store.list() == ["obj.bin"]
+    if _is_s3(store):  # parts had been uploaded, but no upload was completed
+        assert len(_pending_uploads(request.getfixturevalue("s3_client"), store)) == 2
+    else:  # the half-written temp files are there on disk, yet invisible to the store
+        names = sorted(p.name for p in Path(store.root).iterdir())
+        assert len(names) == 3 and names[-1] == "obj.bin"
+        assert all(".tmp-" in n for n in names[:2])
+
+
+@pytest.mark.parametrize("key", ["../x", "a/../../x", "a/..", "/etc/passwd", "s3://other/x"])
+def test_path_traversal_keys_are_rejected(store: Store, key: str) -> None:
+    for op in (store.read_bytes, store.exists, store.delete, store.list, store.uri, store.sha256):
+        with pytest.raises(StorageError, match="store key"):
+            op(key)
+    with pytest.raises(StorageError, match="store key"):
+        store.write_bytes(key, b"x")
+    with pytest.raises(StorageError, match="store key"), store.open_write(key):
+        pass
+
+
+def test_missing_key_raises_not_found(store: Store) -> None:
+    with pytest.raises(ObjectNotFoundError, match="missing.bin") as err:
+        store.read_bytes("missing.bin")
+    assert isinstance(err.value, FileNotFoundError)
+    with pytest.raises(ObjectNotFoundError):
+        store.open_read("missing.bin")
+
+
+def test_check_writable_passes_and_leaves_nothing(store: Store) -> None:
+    store.check_writable()
+    assert store.list() == []
+
+
+# ---- roots and settings ---------------------------------------------------------------------------
+
+
+def test_local_roots_are_normalized(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    rel = Store(".omni/store")
+    assert rel.root == str(tmp_path / ".omni" / "store")
+    uri = open_store(f"file://{tmp_path}/s")
+    assert uri.root == f"file://{tmp_path}/s"
+    uri.write_bytes("k/v", b"1")
+    assert (tmp_path / "s" / "k" / "v").read_bytes() == b"1"
+    assert uri.uri("k/v") == f"file://{tmp_path}/s/k/v"
+    assert Store("s3://bucket/pre/fix/").root == "s3://bucket/pre/fix"
+    with pytest.raises(StorageError, match="gs://b"):
+        Store("gs://b/x")
+
+
+def test_omni_endpoint_takes_precedence(s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    store = Store(f"s3://{s3_bucket}")
+    store.write_bytes("k", b"v")
+    assert store.read_bytes("k") == b"v"
+
+
+# ---- errors -----------------------------------------------------------------------------------------
+
+
+def test_unreachable_endpoint_fails_fast_with_a_clear_message(
+    s3_env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("OMNI_S3_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "sEcReT-do-not-leak")
+    store = Store("s3://bucket/prefix")
+    start = time.monotonic()
+    with pytest.raises(StorageError) as err:
+        store.check_writable()
+    assert time.monotonic() - start < 10
+    msg = str(err.value)
+    assert endpoint in msg and "OMNI_S3_ENDPOINT_URL" in msg
+    assert "\n" not in msg
+    assert "sEcReT" not in msg and "sEcReT" not in repr(store)
+    with pytest.raises(StorageError, match="cannot reach"):
+        store.read_bytes("x")
+
+
+def test_missing_bucket_is_named(s3_env: str) -> None:
+    with pytest.raises(StorageError, match="omni-no-such-bucket") as err:
+        Store("s3://omni-no-such-bucket/prefix").check_writable()
+    assert "does not exist" in str(err.value)
+
+
+def test_missing_credentials_are_reported(s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    start = time.monotonic()
+    with pytest.raises(StorageError, match="AWS_ACCESS_KEY_ID"):
+        Store(f"s3://{s3_bucket}/p").check_writable()
+    assert time.monotonic() - start < 10
+
+
+def test_local_root_under_a_regular_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a directory")
+    store = Store(str(blocker / "store"))
+    with pytest.raises(StorageError, match=str(blocker)) as err:
+        store.check_writable()
+    assert "regular file" in str(err.value)
+    with pytest.raises(StorageError, match="regular file"):
+        store.write_bytes("k", b"v")
