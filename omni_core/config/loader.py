@@ -1,0 +1,151 @@
+"""Load a pipeline file from YAML, apply dotted overrides, validate, and report errors by key path."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from omni_core.config.models import PipelineConfig
+from omni_core.errors import ConfigError
+
+
+class ConfigValidationError(ConfigError):
+    """Validation failed; `errors` holds one `key.path: message` line per problem."""
+
+    def __init__(self, source: str, errors: list[str]):
+        self.source = source
+        self.errors = errors
+        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        super().__init__(
+            f"{source}: {errors[0]}{more}; fix the file or the override "
+            f"(`omni validate {source}` lists every error)"
+        )
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such pipeline file; check the path (examples are in configs/)")
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a pipeline file; pass a .yaml file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.__class__.__name__}: {exc}); check its permissions and encoding") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}; fix the syntax") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a pipeline file must be a YAML mapping (name:, stages:, ...), got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides; values are parsed as YAML (3 -> int, true -> bool, [a] -> list).
+
+    A list of named items (stages) is addressed by the item's name: `stages.rl.trainer.total_steps=3`;
+    an integer index works too.
+    """
+    for override in overrides:
+        path, sep, raw_value = override.partition("=")
+        if not sep or not path:
+            raise ConfigError(f"override '{override}': expected KEY.PATH=VALUE, e.g. stages.rl.trainer.total_steps=3")
+        try:
+            value = yaml.safe_load(raw_value) if raw_value != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override '{override}': value is not valid YAML; quote it") from exc
+        keys = path.split(".")
+        node: Any = data
+        for i, key in enumerate(keys):
+            last = i == len(keys) - 1
+            where = ".".join(keys[: i + 1])
+            if isinstance(node, list):
+                index = _list_index(node, key)
+                if index is None:
+                    names = [str(item.get("name")) for item in node if isinstance(item, dict)]
+                    raise ConfigError(f"override '{override}': no item '{key}' in {'.'.join(keys[:i]) or 'root'} (have: {', '.join(names)})")
+                if last:
+                    node[index] = value
+                else:
+                    node = node[index]
+            elif isinstance(node, dict):
+                if last:
+                    node[key] = value
+                else:
+                    node = node.setdefault(key, {})
+            else:
+                raise ConfigError(f"override '{override}': '{where}' goes inside a {type(node).__name__}, not a mapping")
+    return data
+
+
+def _list_index(items: list[Any], key: str) -> int | None:
+    for index, item in enumerate(items):
+        if isinstance(item, dict) and item.get("name") == key:
+            return index
+    if key.lstrip("-").isdigit() and -len(items) <= int(key) < len(items):
+        return int(key) % len(items)
+    return None
+
+
+def validate_pipeline(data: dict[str, Any], source: str = "<pipeline>") -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigValidationError(source, [_format_error(err, data) for err in exc.errors()]) from None
+
+
+def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
+    data = apply_overrides(read_yaml(path), list(overrides or []))
+    return validate_pipeline(data, str(path))
+
+
+def _format_error(err: dict[str, Any], data: dict[str, Any]) -> str:
+    """`stages.rl.trainer.total_steps: Input should be a valid integer (got 'x')`.
+
+    Stage indices are shown as the stage's name (the spelling overrides use), and pydantic's
+    discriminator tag (`rl`, `ingest`) is dropped from the path.
+    """
+    loc = list(err["loc"])
+    parts: list[str] = []
+    node: Any = data
+    i = 0
+    while i < len(loc):
+        key = loc[i]
+        if isinstance(node, list) and isinstance(key, int):
+            item = node[key] if key < len(node) else None
+            parts.append(str(item["name"]) if isinstance(item, dict) and "name" in item else str(key))
+            node = item
+            if isinstance(item, dict) and i + 1 < len(loc) and loc[i + 1] == item.get("kind"):
+                i += 1  # the discriminator tag pydantic inserts
+        else:
+            parts.append(str(key))
+            node = node.get(key) if isinstance(node, dict) else None
+        i += 1
+    message = err["msg"].removeprefix("Value error, ")
+    if not parts:
+        return message  # model-level checks already name their key path
+    if err["type"] == "union_tag_invalid":
+        expected = err.get("ctx", {}).get("expected_tags", "")
+        return f"{'.'.join(parts)}.kind: unknown stage kind {err['ctx'].get('tag')!r} (known: {expected})"
+    if err["type"] == "extra_forbidden":
+        message = "unknown key (remove it or check its spelling)"
+    elif err["type"] not in ("missing", "value_error") and "input" in err:
+        message += f" (got {err['input']!r})"
+    return f"{'.'.join(parts) or 'pipeline'}: {message}"
+
+
+def config_digest(config: Any) -> str:
+    """sha256 of a config's canonical JSON; the same settings give the same digest."""
+    if hasattr(config, "model_dump"):
+        config = config.model_dump(mode="json")
+    blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
