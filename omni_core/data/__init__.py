@@ -1,0 +1,9 @@
+"""Datasets: raw sources, fixture generators, one converter per dataset, versioned ingestion."""
+
+from omni_core.data.converter import Converter, RowRejected, get_converter, register_converter
+from omni_core.data.fixtures import fixture_names, write_fixture
+from omni_core.data.ingest import DatasetVersion, ingest, load_version
+from omni_core.data.sources import RawSource, resolve_source
+
+__all__ = ["Converter", "DatasetVersion", "RawSource", "RowRejected", "fixture_names", "get_converter", "ingest",
+           "load_version", "register_converter", "resolve_source", "write_fixture"]

@@ -1,0 +1,69 @@
+"""GSM8K (openai/gsm8k, config "main") -> verl RL Parquet, as verl's examples/data_preprocess/gsm8k.py."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from omni_core.data.converter import Converter, RowRejected, register_converter
+from omni_core.data.sources import RawSource
+
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+_FINAL_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+SCHEMA = pa.schema([
+    ("data_source", pa.string()),
+    ("prompt", pa.list_(MESSAGE)),
+    ("ability", pa.string()),
+    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()),
+                              ("answer", pa.string()), ("question", pa.string())])),
+])
+
+
+def extract_solution(answer: str) -> str | None:
+    match = _FINAL_ANSWER.search(answer)
+    return match.group(1).replace(",", "") if match else None
+
+
+@register_converter
+class GSM8KConverter(Converter):
+    name = "gsm8k"
+    version = "1"
+    schema = SCHEMA
+
+    def split_files(self, raw: RawSource) -> dict[str, list[str]]:
+        splits: dict[str, list[str]] = {}
+        for rel in raw.files:
+            stem = rel.rsplit("/", 1)[-1]
+            for split in ("train", "test"):
+                if stem.startswith(f"{split}-") and stem.endswith(".parquet"):
+                    splits.setdefault(split, []).append(rel)
+        return splits
+
+    def read(self, raw: RawSource, rel_path: str, batch_rows: int) -> Iterator[list[dict[str, Any]]]:
+        parquet = pq.ParquetFile(raw.path(rel_path))
+        for batch in parquet.iter_batches(batch_size=batch_rows, columns=["question", "answer"]):
+            yield batch.to_pylist()
+
+    def convert(self, record: dict[str, Any], split: str, index: int) -> dict[str, Any]:
+        question, answer = record.get("question"), record.get("answer")
+        if not isinstance(question, str) or not question.strip():
+            raise RowRejected("empty question")
+        if not isinstance(answer, str) or not answer.strip():
+            raise RowRejected("missing answer")
+        solution = extract_solution(answer)
+        if solution is None:
+            raise RowRejected("answer has no '#### N' final answer")
+        return {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": question + " " + INSTRUCTION}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": solution},
+            "extra_info": {"split": split, "index": index, "answer": answer, "question": question},
+        }
