@@ -1,0 +1,1 @@
+"""Prefect flows and the `omni` CLI: compose tasks, nothing else."""

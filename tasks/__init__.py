@@ -1,0 +1,1 @@
+"""Prefect tasks: thin wrappers (retries, names, artifacts) around omni_core calls."""

@@ -1,0 +1,150 @@
+"""The `omni` command line: run and validate pipelines, write fixtures.
+
+User-caused errors (OmniError) print one line and exit 2; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from omni_core.config import ConfigValidationError, PipelineConfig, load_pipeline
+from omni_core.errors import OmniError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Reproducible multimodal RL post-training pipelines.")
+console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+_state = {"debug": False}
+
+OMNI_HOME = Path(".omni")
+
+
+@app.callback()
+def _options(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False) -> None:
+    _state["debug"] = debug
+
+
+def use_embedded_prefect() -> str | None:
+    """Without PREFECT_API_URL, Prefect runs its API in-process; keep its database under .omni/."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    home = os.environ.setdefault("PREFECT_HOME", str((OMNI_HOME / "prefect").resolve()))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The first start migrates a fresh database; on a busy 2-core machine that can exceed the 20 s default.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    return home
+
+
+@app.command()
+def validate(
+    pipeline_file: Annotated[Path, typer.Argument(help="Pipeline YAML file.")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides: stages.rl.trainer.total_steps=3")] = None,
+) -> None:
+    """Print the resolved pipeline config, or every error with its key path."""
+    try:
+        config = load_pipeline(pipeline_file, overrides or [])
+    except ConfigValidationError as exc:
+        err_console.print(f"[red]{pipeline_file}: {len(exc.errors)} error(s)[/red]")
+        for line in exc.errors:
+            err_console.print(f"  {line}")
+        raise typer.Exit(2) from None
+    console.print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+
+
+@app.command()
+def run(
+    pipeline_file: Annotated[Path, typer.Argument(help="Pipeline YAML file.")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides: stages.rl.trainer.total_steps=3")] = None,
+) -> None:
+    """Run a pipeline end to end (Prefect flow; stages on Ray; lineage in MLflow)."""
+    from omni_core.storage import Store
+
+    config = load_pipeline(pipeline_file, overrides or [])
+    Store(config.store).check_writable()  # fail in a second, not after starting Prefect and Ray
+    prefect_home = use_embedded_prefect()
+    console.print(f"[bold]omni[/bold] running pipeline [cyan]{config.name}[/cyan] "
+                  f"({len(config.stages)} stages) from {pipeline_file}")
+    from flows.pipeline import pipeline  # imports Prefect: only when a run is asked for
+
+    started = time.perf_counter()
+    summary = pipeline(pipeline_file=str(pipeline_file), overrides=list(overrides or []))
+    print_summary(config, summary, time.perf_counter() - started, prefect_home)
+
+
+def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect_home: str | None) -> None:
+    table = Table(title=f"pipeline {summary['pipeline']} finished in {seconds:.1f}s")
+    for column in ("stage", "kind", "status", "seconds", "output"):
+        table.add_column(column)
+    for stage in summary["stages"]:
+        outputs = stage["outputs"]
+        if "datasets" in outputs:
+            detail = ", ".join(f"{k}@{d['version']} ({sum(d['rows'].values())} rows, {d['quarantined']} quarantined)"
+                               for k, d in outputs["datasets"].items())
+        elif "checkpoint_uri" in outputs:
+            detail = f"global_step_{outputs['global_step']}"
+        else:
+            detail = ""
+        table.add_row(stage["name"], stage["kind"], stage["status"], f"{stage['seconds']:.1f}", detail)
+    console.print(table)
+    for stage in summary["stages"]:
+        for key, d in stage["outputs"].get("datasets", {}).items():
+            console.print(f"dataset      {key} version {d['version']}: {d['uri']}")
+        if "checkpoint_uri" in stage["outputs"]:
+            out = stage["outputs"]
+            console.print(f"checkpoint   {out['checkpoint_uri']} (sha256 {out['weights_sha256'][:16]}…)")
+    console.print(f"mlflow       parent run {summary['mlflow_parent_run_id']} at {summary['tracking_uri']}")
+    from omni_core.lineage import ui_command
+
+    console.print(f"open MLflow  {ui_command(summary['tracking_uri'])}")
+    if prefect_home:
+        console.print(f"open Prefect PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)")
+    else:
+        console.print(f"open Prefect {os.environ.get('PREFECT_API_URL', '').removesuffix('/api')}")
+
+
+@app.command()
+def fixtures(
+    name: Annotated[str, typer.Argument(help="Dataset name, e.g. gsm8k.")],
+    out: Annotated[Path, typer.Option("--out", help="Directory to write the raw files into.")],
+    rows: Annotated[int, typer.Option("--rows", min=1, help="Rows in the train split.")] = 64,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    bad_rows: Annotated[int, typer.Option("--bad-rows", min=0, help="Unusable rows to mix in (for testing).")] = 0,
+) -> None:
+    """Write a dataset's raw files exactly as it ships (for tests and offline demos)."""
+    from omni_core.data import write_fixture
+
+    for path in write_fixture(name, out, rows=rows, seed=seed, bad_rows=bad_rows):
+        console.print(str(path))
+
+
+def main() -> None:
+    try:
+        app()
+    except OmniError as exc:
+        if _state["debug"]:
+            traceback.print_exc()
+        err_console.print(f"[red]error:[/red] {exc}")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err_console.print("[red]interrupted[/red]")
+        sys.exit(130)
+    except Exception as exc:
+        if _state["debug"]:
+            traceback.print_exc()
+        err_console.print(f"[red]unexpected error:[/red] {exc.__class__.__name__}: {exc} "
+                          "(rerun with --debug for the traceback)")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""MLflow run hierarchy: a parent run per pipeline run, a child run per stage, dataset inputs.
+
+Everything goes through `MlflowClient` with explicit run ids (no fluent "active run" state), so a
+stage running in another process (a Ray actor, a Ray Job) logs to its run by id alone.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, RunStatus
+from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
+
+from omni_core.errors import ConfigError
+
+TAG_PREFIX = "omni."
+
+
+def sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a `sqlite:///path` URI (relative paths are relative to the cwd)."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    return Path(tracking_uri.removeprefix("sqlite:///")).expanduser()
+
+
+def normalize_tracking_uri(tracking_uri: str) -> str:
+    """Absolute sqlite paths, so Ray workers started elsewhere write to the same database."""
+    db = sqlite_path(tracking_uri)
+    return f"sqlite:///{db.resolve()}" if db is not None else tracking_uri
+
+
+class Tracker:
+    def __init__(self, tracking_uri: str):
+        self.tracking_uri = normalize_tracking_uri(tracking_uri)
+        db = sqlite_path(self.tracking_uri)
+        if db is not None:
+            try:
+                db.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"tracking_uri {tracking_uri}: cannot create {db.parent} ({exc.strerror}); "
+                                  "choose a writable location") from exc
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+
+    def experiment_id(self, name: str) -> str:
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is not None:
+            return experiment.experiment_id
+        db = sqlite_path(self.tracking_uri)
+        # With a sqlite store MLflow would put artifacts in ./mlruns of whatever cwd; keep them beside the db.
+        location = (db.parent / "mlartifacts" / name).resolve().as_uri() if db is not None else None
+        return self.client.create_experiment(name, artifact_location=location)
+
+    def start_run(self, experiment: str, run_name: str, tags: dict[str, str], parent_run_id: str | None = None) -> str:
+        all_tags = {MLFLOW_RUN_NAME: run_name, **tags}
+        if parent_run_id:
+            all_tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
+        run = self.client.create_run(self.experiment_id(experiment), run_name=run_name, tags=all_tags)
+        return run.info.run_id
+
+    def end_run(self, run_id: str, ok: bool = True) -> None:
+        status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
+        self.client.set_terminated(run_id, status=status)
+
+    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(run_id, key, str(value))
+
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        for key, value in params.items():
+            self.client.log_param(run_id, key, value)
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int, timestamp_ms: int) -> None:
+        batch = [Metric(key, float(value), timestamp_ms, step) for key, value in sorted(metrics.items())]
+        self.client.log_batch(run_id, metrics=batch)
+
+    def log_dict(self, run_id: str, obj: Any, artifact_file: str) -> None:
+        self.client.log_dict(run_id, obj, artifact_file)
+
+    def log_dataset_input(self, run_id: str, *, name: str, digest: str, source_uri: str, raw_source_uri: str,
+                          schema: list[dict[str, str]], profile: dict[str, Any], context: str) -> None:
+        """Logs a store dataset version as an MLflow dataset input (source = its URI in the store)."""
+        scheme = urlparse(source_uri).scheme or "local"
+        dataset = Dataset(
+            name=name,
+            digest=digest,
+            source_type="local" if scheme == "file" else scheme,
+            source=json.dumps({"uri": source_uri, "raw_source_uri": raw_source_uri}),
+            schema=json.dumps({"columns": schema}),
+            profile=json.dumps(profile, sort_keys=True),
+        )
+        tags = [InputTag("mlflow.data.context", context)]
+        self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags)])
+
+
+def git_commit(cwd: str | Path = ".") -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def ui_command(tracking_uri: str) -> str:
+    uri = normalize_tracking_uri(tracking_uri)
+    if sqlite_path(uri) is not None:
+        return f"mlflow ui --backend-store-uri {uri}"
+    return f"open {uri}"
+

@@ -1,0 +1,36 @@
+"""Prefect tasks around pipeline stages: one task per stage, retries suited to its kind."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import Task, task
+from prefect.cache_policies import NO_CACHE
+
+from omni_core.config.models import IngestStage, RLStage
+from omni_core.errors import OmniError
+from omni_core.pipeline import PipelineRun, StageOutcome
+
+# Ingest is idempotent and cheap to retry (transient S3 errors); training retries once for now.
+RETRIES = {"ingest": 2, "rl": 1}
+
+
+def _retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
+    """A bad config or bad input fails the same way every time: retrying only hides it."""
+    try:
+        state.result()
+    except OmniError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+@task(cache_policy=NO_CACHE, retry_condition_fn=_retry_unless_user_error)
+def run_stage(run: PipelineRun, name: str) -> StageOutcome:
+    return run.run_stage(name)
+
+
+def stage_task(stage: IngestStage | RLStage) -> Task:
+    return run_stage.with_options(name=stage.name, task_run_name=stage.name,
+                                  retries=RETRIES.get(stage.kind, 0), retry_delay_seconds=2)

@@ -1,0 +1,143 @@
+"""Config loading, overrides, and the CLI's one-line errors (exit code 2, no traceback)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from omni_core.config import ConfigValidationError, apply_overrides, load_pipeline
+from omni_core.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "demo.yaml"
+OMNI = [sys.executable, "-m", "flows.cli"]
+
+
+def omni(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([*OMNI, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=120)
+
+
+def write(tmp_path: Path, text: str, name: str = "p.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def demo_data() -> dict:
+    return yaml.safe_load(DEMO.read_text())
+
+
+def test_demo_config_resolves_with_defaults_and_overrides() -> None:
+    config = load_pipeline(DEMO, ["stages.rl.trainer.total_steps=3", "stages.rl.rollout.temperature=0.7",
+                                  "seed=5", "store=s3://bucket/prefix"])
+    rl = config.stage("rl")
+    assert rl.trainer.total_steps == 3 and isinstance(rl.trainer.total_steps, int)
+    assert rl.rollout.temperature == 0.7
+    assert config.seed == 5 and config.store == "s3://bucket/prefix"
+    assert [s.name for s in config.ordered_stages()] == ["ingest", "rl"]
+    assert rl.algorithm.name == "grpo" and rl.trainer.max_grad_norm == 1.0  # defaults filled in
+
+
+def test_override_by_stage_index_and_list_values() -> None:
+    data = apply_overrides(demo_data(), ["stages.1.after=[]", "stages.ingest.datasets=[gsm8k]"])
+    assert data["stages"][1]["after"] == [] and data["stages"][0]["datasets"] == ["gsm8k"]
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("stages.rl.trainer.total_steps=many", "stages.rl.trainer.total_steps: Input should be a valid integer"),
+        ("stages.rl.trainer.total_step=3", "stages.rl.trainer.total_step: unknown key"),
+        ("stages.rl.after=[nowhere]", "stages.rl.after: 'nowhere' is not a stage"),
+        ("stages.rl.data=mmk12", "stages.rl.data: 'mmk12' is not under datasets"),
+        ("stages.ingest.kind=train", "stages.ingest.kind: unknown stage kind 'train'"),
+        ("stages.rl.algorithm.loss_agg_mode=mean", "stages.rl.algorithm.loss_agg_mode: Input should be"),
+        ("stages.ingest.after=[rl]", "stages: after: dependencies form a cycle"),
+    ],
+)
+def test_invalid_values_name_their_key_path(override: str, expected: str) -> None:
+    with pytest.raises(ConfigValidationError) as info:
+        load_pipeline(DEMO, [override])
+    assert any(line.startswith(expected) for line in info.value.errors), info.value.errors
+
+
+def test_every_error_is_reported() -> None:
+    with pytest.raises(ConfigValidationError) as info:
+        load_pipeline(DEMO, ["stages.rl.trainer.total_steps=x", "stages.rl.bogus=1", "name=has space"])
+    assert len(info.value.errors) == 3
+
+
+@pytest.mark.parametrize("override", ["no_equals_sign", "stages.nope.trainer.lr=1", "name.sub=1"])
+def test_malformed_overrides(override: str) -> None:
+    with pytest.raises(ConfigError):
+        load_pipeline(DEMO, [override])
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_cli_missing_file(tmp_path: Path) -> None:
+    assert_one_line_error(omni("run", "missing.yaml", cwd=tmp_path), "missing.yaml", "no such pipeline file")
+
+
+def test_cli_unreadable_file(tmp_path: Path) -> None:
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"\xff\xfe\x00garbage\x81")
+    assert_one_line_error(omni("run", str(path), cwd=tmp_path), "binary.yaml", "cannot be read")
+
+
+def test_cli_invalid_yaml(tmp_path: Path) -> None:
+    path = write(tmp_path, "name: demo\nstages: [\n  - {name: a\n")
+    assert_one_line_error(omni("run", str(path), cwd=tmp_path), "invalid YAML", "line")
+
+
+def test_cli_unknown_key_and_wrong_type(tmp_path: Path) -> None:
+    result = omni("run", str(DEMO), "stages.rl.trainer.epochs=2", cwd=tmp_path)
+    assert_one_line_error(result, "stages.rl.trainer.epochs: unknown key")
+    result = omni("run", str(DEMO), "stages.rl.trainer.lr=fast", cwd=tmp_path)
+    assert_one_line_error(result, "stages.rl.trainer.lr: Input should be a valid number")
+
+
+def test_cli_validate_lists_every_error(tmp_path: Path) -> None:
+    result = omni("validate", str(DEMO), "stages.rl.trainer.lr=fast", "stages.rl.foo=1", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "stages.rl.trainer.lr" in result.stderr and "stages.rl.foo: unknown key" in result.stderr
+    ok = omni("validate", str(DEMO), "stages.rl.trainer.total_steps=7", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert yaml.safe_load(ok.stdout)["stages"][1]["trainer"]["total_steps"] == 7
+
+
+def test_cli_debug_shows_traceback(tmp_path: Path) -> None:
+    result = omni("--debug", "run", "missing.yaml", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" in result.stderr
+
+
+def test_cli_unreachable_s3_endpoint(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"OMNI_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"}
+    result = omni("run", str(DEMO), "store=s3://bucket/omni", cwd=tmp_path, env=env)
+    assert_one_line_error(result, f"127.0.0.1:{port}", "OMNI_S3_ENDPOINT_URL")
+
+
+def test_cli_unwritable_store(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = omni("run", str(DEMO), f"store={blocker}/store", cwd=tmp_path)
+    assert_one_line_error(result, str(blocker))

@@ -1,0 +1,142 @@
+"""The demo pipeline end to end through the CLI: Prefect flow, ingest, GRPO in a Ray actor, MLflow.
+
+Runs `omni run configs/demo.yaml` in a temporary directory with its own store, MLflow database and
+Prefect home, then checks what a user would look at: Parquet, manifest, MLflow runs, checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from omni_core.data.gsm8k import SCHEMA
+
+ROOT = Path(__file__).resolve().parents[1]
+METRICS = ["critic/score/mean", "actor/pg_loss", "timing_s/step", "actor/grad_norm", "response_length/mean"]
+
+pytestmark = pytest.mark.slow
+
+
+def run_demo(workdir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PREFECT_HOME": str(workdir / "prefect"), "OMNI_CACHE_DIR": str(workdir / "cache"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", str(ROOT / "configs" / "demo.yaml"),
+         f"store={workdir / 'store'}", f"tracking_uri=sqlite:///{workdir / 'mlflow.db'}", *overrides],
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    workdir = tmp_path_factory.mktemp("demo")
+    first = run_demo(workdir)
+    second = run_demo(workdir)
+    return {"workdir": workdir, "store": workdir / "store", "first": first.stdout, "second": second.stdout,
+            "client": MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")}
+
+
+def test_summary_names_dataset_checkpoint_and_mlflow(demo: dict) -> None:
+    out = demo["first"]
+    for fragment in ("pipeline gsm8k-grpo-demo finished", "dataset      gsm8k version", "checkpoint   ",
+                     "mlflow       parent run", "mlflow ui --backend-store-uri", "prefect server start"):
+        assert fragment in out, out[-2000:]
+    assert "step 4/4" in out  # per-step progress from the Ray actor reached the terminal
+
+
+def test_dataset_version_parquet_and_manifest(demo: dict) -> None:
+    store = demo["store"]
+    version = (store / "datasets/gsm8k/LATEST").read_text().strip()
+    folder = store / "datasets/gsm8k" / version
+    manifest = json.loads((folder / "_manifest.json").read_text())
+    assert manifest["version"] == version and manifest["source_uri"] == "fixtures://gsm8k?rows=64&seed=0"
+    assert manifest["counts"] == {"read": 80, "rows": 80, "quarantined": 0}
+    assert [f["path"] for f in manifest["raw_files"]] == ["main/test-00000-of-00001.parquet",
+                                                          "main/train-00000-of-00001.parquet"]
+    shard = manifest["splits"]["train"]["shards"][0]
+    path = store / shard["key"]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == shard["sha256"]
+    table = pq.read_table(path)
+    assert table.schema.equals(SCHEMA) and table.num_rows == 64 == manifest["splits"]["train"]["rows"]
+    first = table.slice(0, 1).to_pylist()[0]
+    assert first["data_source"] == "openai/gsm8k" and first["prompt"][0]["content"].endswith('after "####".')
+    assert first["reward_model"]["ground_truth"].lstrip("-").isdigit()
+
+
+def test_mlflow_parent_and_child_runs_with_dataset_input(demo: dict) -> None:
+    client: MlflowClient = demo["client"]
+    experiment = client.get_experiment_by_name("gsm8k-grpo-demo")
+    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 2  # one per `omni run`
+    parent = parents[0]
+    assert parent.info.status == "FINISHED"
+    for tag in ("omni.config_digest", "omni.git_commit", "prefect.flow_run_id", "omni.pipeline"):
+        assert parent.data.tags.get(tag), tag
+    children = {r.data.tags["mlflow.runName"]: r for r in runs
+                if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert set(children) == {"ingest", "rl"}
+    assert all(c.info.status == "FINISHED" for c in children.values())
+
+    version = (demo["store"] / "datasets/gsm8k/LATEST").read_text().strip()
+    rl = children["rl"]
+    inputs = rl.inputs.dataset_inputs
+    assert len(inputs) == 1
+    dataset = inputs[0].dataset
+    assert dataset.name == "gsm8k" and dataset.digest == version
+    source = json.loads(dataset.source)
+    assert source["uri"].endswith(f"datasets/gsm8k/{version}")
+    assert source["raw_source_uri"] == "fixtures://gsm8k?rows=64&seed=0"
+    assert {t.key: t.value for t in inputs[0].tags}["mlflow.data.context"] == "training"
+
+    for name in METRICS:
+        history = client.get_metric_history(rl.info.run_id, name)
+        assert [m.step for m in history] == [1, 2, 3, 4], name
+    assert rl.data.params["algorithm"] == "grpo"
+
+
+def test_checkpoint_is_committed_and_loadable(demo: dict) -> None:
+    client: MlflowClient = demo["client"]
+    experiment = client.get_experiment_by_name("gsm8k-grpo-demo")
+    rl = client.search_runs([experiment.experiment_id], "tags.`mlflow.runName` = 'rl'",
+                            order_by=["attributes.start_time ASC"])[0]
+    folder = Path(rl.data.tags["omni.checkpoint_uri"])
+    assert folder.name == "global_step_4"
+    assert (folder.parents[1] / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    manifest = json.loads((folder / "_manifest.json").read_text())
+    weights = folder / "model.safetensors"
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert digest == rl.data.tags["omni.checkpoint_sha256"]
+    assert {f["path"]: f["sha256"] for f in manifest["files"]}["model.safetensors"] == digest
+    tensors = load_file(weights)
+    assert tensors and all(t.isfinite().all() for t in tensors.values())
+
+    from omni_core.models import load_model
+
+    model, tokenizer = load_model(str(folder))
+    assert model.config.model_type == "qwen3" and tokenizer.eos_token_id is not None
+
+
+def test_second_run_succeeds_and_reuses_finished_work(demo: dict) -> None:
+    out = demo["second"]
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│ ")}
+    assert "reused" in rows["ingest"] and "reused" in rows["rl"], out[-2000:]
+    client: MlflowClient = demo["client"]
+    experiment = client.get_experiment_by_name("gsm8k-grpo-demo")
+    rls = client.search_runs([experiment.experiment_id], "tags.`mlflow.runName` = 'rl'",
+                             order_by=["attributes.start_time ASC"])
+    assert len(rls) == 2
+    assert rls[1].data.tags["omni.cache_hit"] == "true"
+    assert rls[0].data.tags["omni.checkpoint_sha256"] == rls[1].data.tags["omni.checkpoint_sha256"]

@@ -1,0 +1,101 @@
+"""GSM8K: fixture generator, converter, and versioned ingestion into the store (local and S3)."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from omni_core.config import DatasetConfig
+from omni_core.data import ingest, load_version, resolve_source, write_fixture
+from omni_core.data.gsm8k import INSTRUCTION, SCHEMA
+from omni_core.errors import DataError
+from omni_core.storage import Store
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNI_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path) -> Store:
+    if request.param == "local":
+        return Store(str(tmp_path / "store"))
+    bucket = request.getfixturevalue("s3_bucket")
+    return Store(f"s3://{bucket}/omni")
+
+
+def test_fixture_writes_the_hub_layout_deterministically(tmp_path) -> None:
+    a = write_fixture("gsm8k", tmp_path / "a", rows=20, seed=3)
+    b = write_fixture("gsm8k", tmp_path / "b", rows=20, seed=3)
+    c = write_fixture("gsm8k", tmp_path / "c", rows=20, seed=4)
+    assert [p.relative_to(tmp_path / "a").as_posix() for p in a] == [
+        "main/train-00000-of-00001.parquet", "main/test-00000-of-00001.parquet"]
+    assert [p.read_bytes() for p in a] == [p.read_bytes() for p in b]
+    assert a[0].read_bytes() != c[0].read_bytes()
+    train = pq.read_table(a[0])
+    assert train.column_names == ["question", "answer"] and train.num_rows == 20
+    assert all("\n#### " in answer for answer in train.column("answer").to_pylist())
+
+
+def test_ingest_produces_verl_rows(store: Store) -> None:
+    dv = ingest(store, "gsm8k", DatasetConfig(source="fixtures://gsm8k?rows=12&seed=1", converter="gsm8k"),
+                progress=lambda _: None)
+    assert dv.manifest["splits"]["train"]["rows"] == 12 and dv.manifest["splits"]["test"]["rows"] == 3
+    with store.open_read(dv.shard_keys("train")[0]) as f:
+        table = pq.read_table(f)
+    assert table.schema.equals(SCHEMA)
+    raw = pq.read_table(resolve_source("fixtures://gsm8k?rows=12&seed=1").path(
+        "main/train-00000-of-00001.parquet")).to_pylist()
+    for index, (row, source) in enumerate(zip(table.to_pylist(), raw, strict=True)):
+        assert row["data_source"] == "openai/gsm8k" and row["ability"] == "math"
+        assert row["prompt"] == [{"role": "user", "content": source["question"] + " " + INSTRUCTION}]
+        truth = source["answer"].rsplit("#### ", 1)[1].replace(",", "")
+        assert row["reward_model"] == {"style": "rule", "ground_truth": truth}
+        assert row["extra_info"] == {"split": "train", "index": index, "answer": source["answer"],
+                                     "question": source["question"]}
+    assert "," not in "".join(table.column("reward_model").combine_chunks().field("ground_truth").to_pylist())
+
+
+def test_reingest_is_a_no_op_and_latest_names_the_version(store: Store) -> None:
+    config = DatasetConfig(source="fixtures://gsm8k?rows=8&seed=0", converter="gsm8k")
+    first = ingest(store, "gsm8k", config, progress=lambda _: None)
+    shard = first.shard_keys("train")[0]
+    before = store.read_bytes(shard)
+    second = ingest(store, "gsm8k", config, progress=lambda _: None)
+    assert second.version == first.version and second.reused and not first.reused
+    assert store.read_bytes(shard) == before
+    assert load_version(store, "gsm8k").version == first.version
+    other = ingest(store, "gsm8k", config.model_copy(update={"shard_rows": 3}), progress=lambda _: None)
+    assert other.version != first.version and len(other.shard_keys("train")) == 3  # 8 rows -> 3+3+2
+    assert load_version(store, "gsm8k").version == other.version
+
+
+def test_bad_rows_are_quarantined_and_counts_add_up(store: Store) -> None:
+    dv = ingest(store, "gsm8k", DatasetConfig(source="fixtures://gsm8k?rows=10&seed=0&bad_rows=4",
+                                              converter="gsm8k"), progress=lambda _: None)
+    counts = dv.manifest["counts"]
+    assert counts == {"read": 10 + 4 + 2, "rows": 12, "quarantined": 4}
+    with store.open_read(dv.manifest["quarantine"]) as f:
+        quarantine = pq.read_table(f).to_pylist()
+    assert sorted(r["reason"] for r in quarantine) == ["answer has no '#### N' final answer"] * 2 + ["empty question"] * 2
+    assert all(r["split"] == "train" and r["raw"] for r in quarantine)
+
+
+def test_a_half_written_version_is_not_visible(store: Store) -> None:
+    config = DatasetConfig(source="fixtures://gsm8k?rows=8&seed=0", converter="gsm8k")
+    dv = ingest(store, "gsm8k", config, progress=lambda _: None)
+    store.delete(f"datasets/gsm8k/{dv.version}/_manifest.json")  # as if the process died before the commit
+    with pytest.raises(DataError, match="not committed"):
+        load_version(store, "gsm8k", dv.version)
+    again = ingest(store, "gsm8k", config, progress=lambda _: None)
+    assert again.version == dv.version and not again.reused
+
+
+def test_unknown_sources_fail_clearly(tmp_path) -> None:
+    with pytest.raises(DataError, match="no fixture 'nope'"):
+        resolve_source("fixtures://nope?rows=3")
+    with pytest.raises(DataError, match="no such directory"):
+        resolve_source(str(tmp_path / "missing"))
+    with pytest.raises(DataError, match="unknown parameters"):
+        resolve_source("fixtures://gsm8k?rows=3&colour=red")
