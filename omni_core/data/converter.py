@@ -6,9 +6,10 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from omni_core.data.sources import RawSource
-from omni_core.errors import ConfigError
+from omni_core.errors import ConfigError, DataError
 
 
 class RowRejected(Exception):
@@ -17,6 +18,17 @@ class RowRejected(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+class RowSkipped(Exception):
+    """A raw row the dataset's own rules leave out (e.g. a preference pair judged "equal"): counted, not kept."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+RawRecord = tuple[str, int, dict[str, Any]]  # (source file relative path, row within that file, record)
 
 
 class Converter:
@@ -29,17 +41,39 @@ class Converter:
     version: ClassVar[str]
     schema: ClassVar[pa.Schema]
 
-    def split_files(self, raw: RawSource) -> dict[str, list[str]]:
-        """Split name -> raw files (relative paths) that hold it."""
+    def splits(self, raw: RawSource) -> list[str]:
+        """The output splits this raw source holds (empty: the source is not this dataset's layout)."""
         raise NotImplementedError
 
-    def read(self, raw: RawSource, rel_path: str, batch_rows: int) -> Iterator[list[dict[str, Any]]]:
-        """Raw records of one file, in batches of at most `batch_rows`."""
+    def records(self, raw: RawSource, split: str) -> Iterator[RawRecord]:
+        """Raw records of one split, streamed (never the whole input in memory).
+
+        Raise DataError for a whole input that is unusable (missing file, corrupt Parquet, wrong
+        columns), naming the file and what was expected.
+        """
         raise NotImplementedError
 
-    def convert(self, record: dict[str, Any], split: str, index: int) -> dict[str, Any]:
-        """One output row, or raise RowRejected(reason)."""
+    def convert(self, record: dict[str, Any], split: str, index: int, raw: RawSource) -> dict[str, Any]:
+        """One output row (media embedded as bytes); raise RowRejected or RowSkipped(reason) otherwise."""
         raise NotImplementedError
+
+
+def iter_parquet_records(raw: RawSource, rel: str, columns: list[str], batch_rows: int = 1000
+                         ) -> Iterator[RawRecord]:
+    """Records of one raw Parquet file, read batch by batch; a corrupt file or missing column is a DataError."""
+    try:
+        parquet = pq.ParquetFile(raw.path(rel))
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise DataError(f"{raw.uri}: {rel} is not a readable Parquet file ({exc}); re-download it") from exc
+    missing = [c for c in columns if c not in parquet.schema_arrow.names]
+    if missing:
+        raise DataError(f"{raw.uri}: {rel} lacks column(s) {missing}; expected {columns}, "
+                        f"found {parquet.schema_arrow.names}")
+    row = 0
+    for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns):
+        for record in batch.to_pylist():
+            yield rel, row, record
+            row += 1
 
 
 _CONVERTERS: dict[str, type[Converter]] = {}

@@ -7,9 +7,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from omni_core.data.converter import Converter, RowRejected, register_converter
+from omni_core.data.converter import (
+    Converter,
+    RawRecord,
+    RowRejected,
+    iter_parquet_records,
+    register_converter,
+)
 from omni_core.data.sources import RawSource
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -37,21 +42,18 @@ class GSM8KConverter(Converter):
     version = "1"
     schema = SCHEMA
 
-    def split_files(self, raw: RawSource) -> dict[str, list[str]]:
-        splits: dict[str, list[str]] = {}
-        for rel in raw.files:
-            stem = rel.rsplit("/", 1)[-1]
-            for split in ("train", "test"):
-                if stem.startswith(f"{split}-") and stem.endswith(".parquet"):
-                    splits.setdefault(split, []).append(rel)
-        return splits
+    def _files(self, raw: RawSource, split: str) -> list[str]:
+        return sorted(rel for rel in raw.files
+                      if rel.rsplit("/", 1)[-1].startswith(f"{split}-") and rel.endswith(".parquet"))
 
-    def read(self, raw: RawSource, rel_path: str, batch_rows: int) -> Iterator[list[dict[str, Any]]]:
-        parquet = pq.ParquetFile(raw.path(rel_path))
-        for batch in parquet.iter_batches(batch_size=batch_rows, columns=["question", "answer"]):
-            yield batch.to_pylist()
+    def splits(self, raw: RawSource) -> list[str]:
+        return [split for split in ("train", "test") if self._files(raw, split)]
 
-    def convert(self, record: dict[str, Any], split: str, index: int) -> dict[str, Any]:
+    def records(self, raw: RawSource, split: str) -> Iterator[RawRecord]:
+        for rel in self._files(raw, split):
+            yield from iter_parquet_records(raw, rel, ["question", "answer"])
+
+    def convert(self, record: dict[str, Any], split: str, index: int, raw: RawSource) -> dict[str, Any]:
         question, answer = record.get("question"), record.get("answer")
         if not isinstance(question, str) or not question.strip():
             raise RowRejected("empty question")

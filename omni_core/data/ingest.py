@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -79,16 +79,15 @@ def ingest(store: Store, name: str, config: DatasetConfig, progress: Progress = 
         store.write_text(f"datasets/{name}/LATEST", version + "\n")
         return load_version(store, name, version)
 
-    splits = converter.split_files(raw)
+    splits = converter.splits(raw)
     if not splits:
         raise DataError(f"dataset source {config.source}: no split files that converter '{converter.name}' "
                         f"recognises among {sorted(raw.files)[:5]}; check the source folder")
     progress(f"dataset {name}: converting {len(raw.files)} raw file(s) with {converter.name} v{converter.version}")
     quarantined: list[dict[str, Any]] = []
     split_entries = {}
-    for split in sorted(splits):
-        records = _numbered_records(converter, raw, splits[split])
-        split_entries[split] = _write_split(store, prefix, split, records, converter, config.shard_rows, quarantined)
+    for split in splits:
+        split_entries[split] = _write_split(store, prefix, split, raw, converter, config.shard_rows, quarantined)
         entry = split_entries[split]
         progress(f"dataset {name}: {split}: {entry['rows']} rows in {len(entry['shards'])} shard(s), "
                  f"{entry['quarantined']} quarantined")
@@ -114,15 +113,6 @@ def ingest(store: Store, name: str, config: DatasetConfig, progress: Progress = 
     store.write_json(f"{prefix}/{MANIFEST}", manifest)  # the commit point
     store.write_text(f"datasets/{name}/LATEST", version + "\n")
     return DatasetVersion(name, version, store.uri(prefix), manifest, False)
-
-
-def _numbered_records(converter: Converter, raw: RawSource, files: list[str]) -> Iterator[tuple[str, int, dict]]:
-    for rel in sorted(files):
-        row = 0
-        for batch in converter.read(raw, rel, READ_BATCH_ROWS):
-            for record in batch:
-                yield rel, row, record
-                row += 1
 
 
 class _ShardWriter:
@@ -168,16 +158,16 @@ class _ShardWriter:
         self._stack, self._writer, self._rows = None, None, 0
 
 
-def _write_split(store: Store, prefix: str, split: str, records: Iterator[tuple[str, int, dict]],
-                 converter: Converter, shard_rows: int, quarantined: list[dict[str, Any]]) -> dict[str, Any]:
+def _write_split(store: Store, prefix: str, split: str, raw: RawSource, converter: Converter, shard_rows: int,
+                 quarantined: list[dict[str, Any]]) -> dict[str, Any]:
     writer = _ShardWriter(store, prefix, split, converter.schema, shard_rows)
     batch: list[dict[str, Any]] = []
     read = 0
     try:
-        for index, (rel, row, record) in enumerate(records):
+        for index, (rel, row, record) in enumerate(converter.records(raw, split)):
             read += 1
             try:
-                batch.append(converter.convert(record, split, index))
+                batch.append(converter.convert(record, split, index, raw))
             except RowRejected as rejected:
                 quarantined.append({"split": split, "source_file": rel, "row": row, "reason": rejected.reason,
                                     "raw": json.dumps(record, default=repr, sort_keys=True)})
