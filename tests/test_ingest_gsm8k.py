@@ -73,9 +73,9 @@ def test_reingest_is_a_no_op_and_latest_names_the_version(store: Store) -> None:
 
 def test_bad_rows_are_quarantined_and_counts_add_up(store: Store) -> None:
     dv = ingest(store, "gsm8k", DatasetConfig(source="fixtures://gsm8k?rows=10&seed=0&bad_rows=4",
-                                              converter="gsm8k"), progress=lambda _: None)
+                                              converter="gsm8k", max_quarantine_fraction=0.5), progress=lambda _: None)
     counts = dv.manifest["counts"]
-    assert counts == {"read": 10 + 4 + 2, "rows": 12, "quarantined": 4}
+    assert counts == {"read": 10 + 4 + 2, "rows": 12, "quarantined": 4, "skipped": 0}
     with store.open_read(dv.manifest["quarantine"]) as f:
         quarantine = pq.read_table(f).to_pylist()
     assert sorted(r["reason"] for r in quarantine) == ["answer has no '#### N' final answer"] * 2 + ["empty question"] * 2
@@ -99,3 +99,31 @@ def test_unknown_sources_fail_clearly(tmp_path) -> None:
         resolve_source(str(tmp_path / "missing"))
     with pytest.raises(DataError, match="unknown parameters"):
         resolve_source("fixtures://gsm8k?rows=3&colour=red")
+
+
+def test_too_many_bad_rows_fail_the_ingest_and_leave_nothing(store: Store) -> None:
+    good = ingest(store, "gsm8k", DatasetConfig(source="fixtures://gsm8k?rows=8&seed=0", converter="gsm8k"),
+                  progress=lambda _: None)
+    bad = DatasetConfig(source="fixtures://gsm8k?rows=10&seed=0&bad_rows=4", converter="gsm8k")
+    with pytest.raises(DataError, match=r"4 of 16 rows \(25.0%\) were quarantined, over max_quarantine_fraction=0.05"):
+        ingest(store, "gsm8k", bad, progress=lambda _: None)
+    assert store.list("datasets/gsm8k") == sorted([*store.list(good.uri.removeprefix(store.root + "/")),
+                                                   "datasets/gsm8k/LATEST"])
+    assert load_version(store, "gsm8k").version == good.version
+
+
+def test_a_corrupt_raw_file_fails_naming_it(tmp_path, store: Store) -> None:
+    write_fixture("gsm8k", tmp_path / "raw", rows=6)
+    (tmp_path / "raw/main/test-00000-of-00001.parquet").write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(DataError, match="main/test-00000-of-00001.parquet is not a readable Parquet file"):
+        ingest(store, "gsm8k", DatasetConfig(source=str(tmp_path / "raw"), converter="gsm8k"), progress=lambda _: None)
+    assert store.list("datasets") == []
+
+
+def test_workers_give_the_same_bytes(tmp_path) -> None:
+    config = DatasetConfig(source="fixtures://gsm8k?rows=600&seed=2&bad_rows=3", converter="gsm8k", shard_rows=250)
+    serial = ingest(Store(str(tmp_path / "a")), "gsm8k", config, progress=lambda _: None)
+    parallel = ingest(Store(str(tmp_path / "b")), "gsm8k", config, progress=lambda _: None, workers=2)
+    assert serial.version == parallel.version
+    assert serial.manifest["splits"] == parallel.manifest["splits"]  # same keys, row counts and shard digests
+    assert [s["rows"] for s in serial.manifest["splits"]["train"]["shards"]] == [250, 250, 100]

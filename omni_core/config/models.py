@@ -24,6 +24,8 @@ class DatasetConfig(Strict):
     source: str = Field(description="fixtures://NAME?rows=N&seed=S, a local directory, s3://... or hf://...")
     converter: str = Field(description="Name of the converter in omni_core.data (e.g. gsm8k).")
     shard_rows: int = Field(10_000, ge=1, description="Rows per output Parquet shard.")
+    max_quarantine_fraction: float = Field(
+        0.05, ge=0, le=1, description="Fail the ingest when more than this share of rows is quarantined.")
 
 
 class StageBase(Strict):

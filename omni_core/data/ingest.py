@@ -2,29 +2,31 @@
 
 Layout (DESIGN.md): datasets/{name}/{version}/{split}-{shard:05d}.parquet, quarantine.parquet,
 _manifest.json (written last: its presence commits the version), and datasets/{name}/LATEST.
+A failed ingest removes what it wrote and leaves LATEST alone.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-import omni_core.data.gsm8k  # noqa: F401  (registers the converter)
 from omni_core.config.models import DatasetConfig
-from omni_core.data.converter import Converter, RowRejected, get_converter
+from omni_core.data.converter import Converter, RawRecord, RowRejected, RowSkipped, get_converter
 from omni_core.data.sources import RawSource, resolve_source
 from omni_core.errors import DataError
 from omni_core.storage import Store
 
 MANIFEST = "_manifest.json"
-READ_BATCH_ROWS = 1000
+BATCH_ROWS = 256  # rows per conversion batch and per Parquet row group
 QUARANTINE_SCHEMA = pa.schema([
     ("split", pa.string()), ("source_file", pa.string()), ("row", pa.int64()),
     ("reason", pa.string()), ("raw", pa.string()),
@@ -56,6 +58,12 @@ def dataset_prefix(name: str, version: str) -> str:
     return f"datasets/{name}/{version}"
 
 
+def list_versions(store: Store, name: str) -> list[str]:
+    """Committed versions of a dataset (those with a manifest), oldest name first."""
+    keys = store.list(f"datasets/{name}")
+    return sorted({k.split("/")[2] for k in keys if k.endswith(f"/{MANIFEST}") and k.count("/") == 3})
+
+
 def load_version(store: Store, name: str, version: str | None = None) -> DatasetVersion:
     """A committed version (default: the one LATEST names)."""
     if version is None:
@@ -68,7 +76,9 @@ def load_version(store: Store, name: str, version: str | None = None) -> Dataset
     return DatasetVersion(name, version, store.uri(dataset_prefix(name, version)), store.read_json(key), True)
 
 
-def ingest(store: Store, name: str, config: DatasetConfig, progress: Progress = print) -> DatasetVersion:
+def ingest(store: Store, name: str, config: DatasetConfig, progress: Progress = print, workers: int = 1
+           ) -> DatasetVersion:
+    """Convert `config.source` with `config.converter` and commit it as a version of dataset `name`."""
     converter = get_converter(config.converter)
     raw = resolve_source(config.source)
     options = {"shard_rows": config.shard_rows}
@@ -76,29 +86,53 @@ def ingest(store: Store, name: str, config: DatasetConfig, progress: Progress = 
     prefix = dataset_prefix(name, version)
     if store.exists(f"{prefix}/{MANIFEST}"):
         progress(f"dataset {name}: version {version} already committed; nothing to do")
-        store.write_text(f"datasets/{name}/LATEST", version + "\n")
+        if not store.exists(f"datasets/{name}/LATEST") or store.read_text(f"datasets/{name}/LATEST").strip() != version:
+            store.write_text(f"datasets/{name}/LATEST", version + "\n")
         return load_version(store, name, version)
 
     splits = converter.splits(raw)
     if not splits:
-        raise DataError(f"dataset source {config.source}: no split files that converter '{converter.name}' "
-                        f"recognises among {sorted(raw.files)[:5]}; check the source folder")
-    progress(f"dataset {name}: converting {len(raw.files)} raw file(s) with {converter.name} v{converter.version}")
+        raise DataError(f"dataset source {config.source}: no files that converter '{converter.name}' recognises "
+                        f"among {sorted(raw.files)[:5]}; check that the source is a {converter.name} dataset")
+    progress(f"dataset {name}: converting {len(raw.files)} raw file(s) with {converter.name} v{converter.version}"
+             + (f" on {workers} workers" if workers > 1 else ""))
+    store.delete(prefix)  # leftovers of an interrupted attempt: never mixed into this one
+    try:
+        manifest = _convert(store, name, version, prefix, raw, converter, config, options, splits, progress, workers)
+    except BaseException:
+        store.delete(prefix)  # no half-written version stays behind
+        raise
+    store.write_json(f"{prefix}/{MANIFEST}", manifest)  # the commit point
+    store.write_text(f"datasets/{name}/LATEST", version + "\n")
+    return DatasetVersion(name, version, store.uri(prefix), manifest, False)
+
+
+def _convert(store: Store, name: str, version: str, prefix: str, raw: RawSource, converter: Converter,
+             config: DatasetConfig, options: dict[str, Any], splits: list[str], progress: Progress,
+             workers: int) -> dict[str, Any]:
     quarantined: list[dict[str, Any]] = []
-    split_entries = {}
-    for split in splits:
-        split_entries[split] = _write_split(store, prefix, split, raw, converter, config.shard_rows, quarantined)
-        entry = split_entries[split]
-        progress(f"dataset {name}: {split}: {entry['rows']} rows in {len(entry['shards'])} shard(s), "
-                 f"{entry['quarantined']} quarantined")
+    entries = {}
+    with ExitStack() as stack:
+        pool = stack.enter_context(ProcessPoolExecutor(workers)) if workers > 1 else None
+        for split in splits:
+            entries[split] = _write_split(store, prefix, split, raw, converter, config.shard_rows, quarantined, pool)
+            e = entries[split]
+            progress(f"dataset {name}: {split}: {e['read']} read, {e['rows']} written in {len(e['shards'])} "
+                     f"shard(s), {e['quarantined']} quarantined, {e['skipped']} skipped")
+    counts = {k: sum(e[k] for e in entries.values()) for k in ("read", "rows", "quarantined", "skipped")}
+    if counts["read"] != counts["rows"] + counts["quarantined"] + counts["skipped"]:  # never lose a row silently
+        raise DataError(f"dataset {name}: counts do not add up {counts}; this is a bug, please report it")
+    usable = counts["read"] - counts["skipped"]
+    fraction = counts["quarantined"] / usable if usable else 0.0
+    if fraction > config.max_quarantine_fraction:
+        reasons = sorted({q["reason"] for q in quarantined})[:3]
+        raise DataError(f"dataset {name}: {counts['quarantined']} of {usable} rows ({fraction:.1%}) were quarantined, "
+                        f"over max_quarantine_fraction={config.max_quarantine_fraction} (reasons: {'; '.join(reasons)}); "
+                        "fix the source or raise the limit")
     if quarantined:
         with store.open_write(f"{prefix}/quarantine.parquet") as f:
             pq.write_table(pa.Table.from_pylist(quarantined, schema=QUARANTINE_SCHEMA), f)
-
-    counts = {k: sum(e[k] for e in split_entries.values()) for k in ("read", "rows", "quarantined")}
-    if counts["read"] != counts["rows"] + counts["quarantined"]:  # never lose a row silently
-        raise DataError(f"dataset {name}: counts do not add up {counts}; this is a bug, please report it")
-    manifest = {
+    return {
         "name": name,
         "version": version,
         "converter": {"name": converter.name, "version": converter.version},
@@ -106,19 +140,121 @@ def ingest(store: Store, name: str, config: DatasetConfig, progress: Progress = 
         "raw_files": [{"path": p, "sha256": d} for p, d in sorted(raw.files.items())],
         "options": options,
         "schema": [{"name": f.name, "type": str(f.type)} for f in converter.schema],
-        "splits": split_entries,
+        "splits": entries,
         "counts": counts,
         "quarantine": f"{prefix}/quarantine.parquet" if quarantined else None,
     }
-    store.write_json(f"{prefix}/{MANIFEST}", manifest)  # the commit point
-    store.write_text(f"datasets/{name}/LATEST", version + "\n")
-    return DatasetVersion(name, version, store.uri(prefix), manifest, False)
+
+
+Outcome = tuple[str, Any]  # ("row", row) | ("rejected", reason) | ("skipped", reason)
+
+
+def _convert_batch(converter_name: str, raw: RawSource, split: str, items: list[tuple[int, dict[str, Any]]]
+                   ) -> list[Outcome]:
+    """Runs in the main process or a worker: converters are looked up by name, so nothing unpicklable travels."""
+    converter = get_converter(converter_name)
+    out: list[Outcome] = []
+    for index, record in items:
+        try:
+            out.append(("row", converter.convert(record, split, index, raw)))
+        except RowRejected as exc:
+            out.append(("rejected", exc.reason))
+        except RowSkipped as exc:
+            out.append(("skipped", exc.reason))
+    return out
+
+
+def _batches(records: Iterator[RawRecord]) -> Iterator[list[tuple[int, RawRecord]]]:
+    batch: list[tuple[int, RawRecord]] = []
+    for index, record in enumerate(records):
+        batch.append((index, record))
+        if len(batch) == BATCH_ROWS:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _converted(converter: Converter, raw: RawSource, split: str, pool: ProcessPoolExecutor | None
+               ) -> Iterator[tuple[list[tuple[int, RawRecord]], list[Outcome]]]:
+    """(batch, outcomes) in input order; with a pool, at most 2 batches per worker are in flight (bounded memory)."""
+    batches = _batches(converter.records(raw, split))
+    if pool is None:
+        for batch in batches:
+            yield batch, _convert_batch(converter.name, raw, split, [(i, r[2]) for i, r in batch])
+        return
+    window: list[tuple[list[tuple[int, RawRecord]], Future]] = []
+    limit = 2 * pool._max_workers
+    for batch in batches:
+        window.append((batch, pool.submit(_convert_batch, converter.name, raw, split, [(i, r[2]) for i, r in batch])))
+        if len(window) >= limit:
+            done_batch, future = window.pop(0)
+            yield done_batch, future.result()
+    for done_batch, future in window:
+        yield done_batch, future.result()
+
+
+def _raw_json(record: dict[str, Any]) -> str:
+    def encode(value: Any) -> Any:
+        if isinstance(value, bytes | bytearray):
+            return {"base64": base64.b64encode(value).decode()}
+        return repr(value)
+
+    return json.dumps(record, default=encode, sort_keys=True)
+
+
+def _write_split(store: Store, prefix: str, split: str, raw: RawSource, converter: Converter, shard_rows: int,
+                 quarantined: list[dict[str, Any]], pool: ProcessPoolExecutor | None) -> dict[str, Any]:
+    writer = _ShardWriter(store, prefix, split, converter.schema, shard_rows)
+    read = skipped = 0
+    try:
+        for batch, outcomes in _converted(converter, raw, split, pool):
+            rows = []
+            for (_, (rel, row, record)), (kind, value) in zip(batch, outcomes, strict=True):
+                read += 1
+                if kind == "row":
+                    rows.append(value)
+                elif kind == "skipped":
+                    skipped += 1
+                else:
+                    quarantined.append({"split": split, "source_file": rel, "row": row, "reason": value,
+                                        "raw": _raw_json(record)})
+            writer.write(rows)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    rows_written = sum(s["rows"] for s in writer.shards)
+    return {"read": read, "rows": rows_written, "quarantined": read - rows_written - skipped, "skipped": skipped,
+            "shards": writer.shards}
+
+
+class _HashingSink:
+    """Passes writes through to the store's file while hashing them, so shards are never read back."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.digest, self.size = f, hashlib.sha256(), 0
+        self.closed = False
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:
+        self.closed = True
 
 
 class _ShardWriter:
     """Writes `{split}-{n:05d}.parquet` shards of at most `shard_rows` rows, one row group per batch.
 
-    Only the current row group is in memory, and each shard appears in the store atomically.
+    Only the current batch is in memory, and each shard appears in the store atomically.
     """
 
     def __init__(self, store: Store, prefix: str, split: str, schema: pa.Schema, shard_rows: int):
@@ -126,6 +262,7 @@ class _ShardWriter:
         self.shards: list[dict[str, Any]] = []
         self._stack: ExitStack | None = None
         self._writer: pq.ParquetWriter | None = None
+        self._sink: _HashingSink | None = None
         self._key = ""
         self._rows = 0
 
@@ -143,41 +280,18 @@ class _ShardWriter:
     def _open(self) -> None:
         self._key = f"{self.prefix}/{self.split}-{len(self.shards):05d}.parquet"
         self._stack = ExitStack()
-        sink = self._stack.enter_context(self.store.open_write(self._key))
-        self._writer = self._stack.enter_context(pq.ParquetWriter(sink, self.schema))
+        self._sink = _HashingSink(self._stack.enter_context(self.store.open_write(self._key)))
+        self._writer = pq.ParquetWriter(self._sink, self.schema)
 
     def close(self) -> None:
         if self._stack is not None:
-            self._stack.close()  # closes the Parquet footer, then commits the object
-            self.shards.append({"key": self._key, "rows": self._rows, "sha256": self.store.sha256(self._key)})
-        self._stack, self._writer, self._rows = None, None, 0
+            self._writer.close()  # writes the footer through the hashing sink
+            self._stack.close()  # commits the object under its final name
+            self.shards.append({"key": self._key, "rows": self._rows, "sha256": self._sink.digest.hexdigest(),
+                                "bytes": self._sink.size})
+        self._stack, self._writer, self._sink, self._rows = None, None, None, 0
 
     def abort(self) -> None:
         if self._stack is not None:
             self._stack.__exit__(DataError, DataError("ingest aborted"), None)  # discards the partial shard
-        self._stack, self._writer, self._rows = None, None, 0
-
-
-def _write_split(store: Store, prefix: str, split: str, raw: RawSource, converter: Converter, shard_rows: int,
-                 quarantined: list[dict[str, Any]]) -> dict[str, Any]:
-    writer = _ShardWriter(store, prefix, split, converter.schema, shard_rows)
-    batch: list[dict[str, Any]] = []
-    read = 0
-    try:
-        for index, (rel, row, record) in enumerate(converter.records(raw, split)):
-            read += 1
-            try:
-                batch.append(converter.convert(record, split, index, raw))
-            except RowRejected as rejected:
-                quarantined.append({"split": split, "source_file": rel, "row": row, "reason": rejected.reason,
-                                    "raw": json.dumps(record, default=repr, sort_keys=True)})
-            if len(batch) >= READ_BATCH_ROWS:
-                writer.write(batch)
-                batch = []
-        writer.write(batch)
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    rows = sum(s["rows"] for s in writer.shards)
-    return {"rows": rows, "read": read, "quarantined": read - rows, "shards": writer.shards}
+        self._stack, self._writer, self._sink, self._rows = None, None, None, 0
