@@ -5,6 +5,7 @@ User-caused errors (OmniError) print one line and exit 2; `--debug` shows the tr
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -29,6 +30,16 @@ _state = {"debug": False}
 OMNI_HOME = Path(".omni")
 
 
+def _mount_subcommands() -> None:
+    from flows.cli_datasets import datasets_app, ingest_command
+
+    app.command("ingest")(ingest_command)
+    app.add_typer(datasets_app, name="datasets")
+
+
+_mount_subcommands()
+
+
 @app.callback()
 def _options(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False) -> None:
     _state["debug"] = debug
@@ -43,6 +54,35 @@ def use_embedded_prefect() -> str | None:
     # The first start migrates a fresh database; on a busy 2-core machine that can exceed the 20 s default.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     return home
+
+
+class _WithoutTracebacks(logging.Formatter):
+    """Wraps a console formatter so log records print without their traceback (the CLI prints one line)."""
+
+    def __init__(self, inner: logging.Formatter | None):
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def quiet_prefect_tracebacks() -> None:
+    """Prefect logs a failed run's traceback to the console; keep it for its API/UI, drop it here unless --debug."""
+    if _state["debug"]:
+        return
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)] + [logging.getLogger()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, PrefectConsoleHandler) and not isinstance(handler.formatter, _WithoutTracebacks):
+                handler.setFormatter(_WithoutTracebacks(handler.formatter))
 
 
 @app.command()
@@ -75,6 +115,8 @@ def run(
     console.print(f"[bold]omni[/bold] running pipeline [cyan]{config.name}[/cyan] "
                   f"({len(config.stages)} stages) from {pipeline_file}")
     from flows.pipeline import pipeline  # imports Prefect: only when a run is asked for
+
+    quiet_prefect_tracebacks()
 
     started = time.perf_counter()
     summary = pipeline(pipeline_file=str(pipeline_file), overrides=list(overrides or []))

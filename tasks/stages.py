@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
 from omni_core.config.models import IngestStage, RLStage
-from omni_core.errors import OmniError
 from omni_core.pipeline import PipelineRun, StageOutcome
+from tasks.retry import retry_unless_user_error
 
 # Ingest is idempotent and cheap to retry (transient S3 errors); training retries once for now.
 RETRIES = {"ingest": 2, "rl": 1}
 
 
-def _retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
-    """A bad config or bad input fails the same way every time: retrying only hides it."""
-    try:
-        state.result()
-    except OmniError:
-        return False
-    except Exception:
-        return True
-    return True
-
-
-@task(cache_policy=NO_CACHE, retry_condition_fn=_retry_unless_user_error)
+@task(cache_policy=NO_CACHE, retry_condition_fn=retry_unless_user_error)
 def run_stage(run: PipelineRun, name: str) -> StageOutcome:
     return run.run_stage(name)
 

@@ -36,6 +36,7 @@ class StageBase(Strict):
 class IngestStage(StageBase):
     kind: Literal["ingest"] = "ingest"
     datasets: list[str] = Field(min_length=1, description="Keys of `datasets:` to ingest.")
+    workers: int = Field(1, ge=1, description="Processes converting rows in parallel.")
 
 
 class AlgorithmConfig(Strict):

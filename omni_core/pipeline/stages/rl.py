@@ -7,8 +7,8 @@ from typing import Any
 from omni_core.config import RLStage
 from omni_core.data import DatasetVersion, load_version
 from omni_core.errors import ConfigError
+from omni_core.lineage import log_dataset_version
 from omni_core.pipeline.stages import register_stage
-from omni_core.pipeline.stages.ingest import log_dataset
 from omni_core.training import run_rl_stage
 
 
@@ -29,7 +29,7 @@ def run_rl(run: Any, stage: RLStage, mlflow_run_id: str) -> dict[str, Any]:
     if split not in dv.manifest["splits"]:
         raise ConfigError(f"stages.{stage.name}.data: dataset '{key}' has no split '{split}' "
                           f"(has: {', '.join(dv.manifest['splits'])})")
-    log_dataset(run, mlflow_run_id, dv, context="training")
+    log_dataset_version(run.tracker, mlflow_run_id, dv, context="training")
     run.tracker.log_params(mlflow_run_id, {
         "algorithm": stage.algorithm.name, "model": stage.model, "seed": run.config.seed,
         "dataset": f"{key}@{dv.version}:{split}", "rollout.n": stage.rollout.n,

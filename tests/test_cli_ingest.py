@@ -1,0 +1,69 @@
+"""`omni ingest` (the Prefect ingest flow, logged to MLflow) and `omni datasets list|show`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+pytestmark = pytest.mark.slow
+
+
+def omni(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PREFECT_HOME": str(cwd / "prefect"), "OMNI_CACHE_DIR": str(cwd / "cache")}
+    env.pop("PREFECT_API_URL", None)
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ingest-cli")
+
+
+def test_ingest_twice_then_list_and_show(workdir: Path) -> None:
+    args = ["ingest", "gsm8k", "--source", "fixtures://gsm8k?rows=20&seed=1&bad_rows=1",
+            "--max-quarantine-fraction", "0.1", "--store", "store", "--tracking-uri", "sqlite:///m.db", "--json"]
+    first = omni(*args, cwd=workdir)
+    assert first.returncode == 0, first.stderr[-2000:]
+    result = json.loads(first.stdout.strip().splitlines()[-1])
+    assert result["counts"] == {"read": 26, "rows": 25, "quarantined": 1, "skipped": 0}
+    assert result["rows"] == {"test": 5, "train": 20} and not result["reused"]
+    version_dir = workdir / "store/datasets/gsm8k" / result["version"]
+    mtimes = {p: p.stat().st_mtime_ns for p in version_dir.iterdir()}
+
+    second = omni(*args, cwd=workdir)
+    again = json.loads(second.stdout.strip().splitlines()[-1])
+    assert again["version"] == result["version"] and again["reused"]
+    assert {p: p.stat().st_mtime_ns for p in version_dir.iterdir()} == mtimes  # no writes
+
+    client = MlflowClient(f"sqlite:///{workdir / 'm.db'}")
+    run = client.get_run(result["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.params["gsm8k.version"] == result["version"]
+    [dataset_input] = run.inputs.dataset_inputs
+    assert dataset_input.dataset.digest == result["version"]
+    assert json.loads(dataset_input.dataset.profile)["splits"] == {"test": 5, "train": 20}
+    manifest_path = f"datasets/gsm8k/{result['version']}/_manifest.json"
+    local = client.download_artifacts(run.info.run_id, manifest_path, str(workdir / "dl"))
+    assert json.loads(Path(local).read_text())["version"] == result["version"]
+
+    listing = omni("datasets", "list", "--store", "store", cwd=workdir)
+    assert listing.returncode == 0 and result["version"][:8] in listing.stdout
+    show = omni("datasets", "show", f"gsm8k@{result['version']}", "--store", "store", "--rows", "1", cwd=workdir)
+    assert show.returncode == 0, show.stderr
+    assert "train: 20 rows in 1 shard(s)" in show.stdout and "ground_truth" in show.stdout
+
+
+def test_failed_ingest_is_one_line_and_leaves_no_version(workdir: Path) -> None:
+    result = omni("ingest", "bad", "--converter", "gsm8k", "--source", "fixtures://gsm8k?rows=10&bad_rows=5",
+                  "--store", "store", "--tracking-uri", "sqlite:///m.db", cwd=workdir)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "over max_quarantine_fraction=0.05" in result.stderr
+    assert not (workdir / "store/datasets/bad").exists() or not any((workdir / "store/datasets/bad").rglob("*.json"))
+    missing = omni("datasets", "show", "nope", "--store", "store", cwd=workdir)
+    assert missing.returncode == 2 and "run its ingest stage first" in missing.stderr
