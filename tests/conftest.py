@@ -87,3 +87,24 @@ def s3_bucket(s3_client) -> str:
     name = f"omni-test-{uuid.uuid4().hex[:12]}"
     s3_client.create_bucket(Bucket=name)
     return name
+
+
+# ---- stores and caches for ingestion tests -------------------------------------------------------
+
+
+@pytest.fixture
+def omni_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private `$OMNI_CACHE_DIR` (generated fixtures, downloaded raw data) for one test."""
+    monkeypatch.setenv("OMNI_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path):
+    """An empty store: a local folder, then a prefix in a fresh bucket on the moto S3 server."""
+    from omni_core.storage import Store
+
+    if request.param == "local":
+        return Store(str(tmp_path / "store"))
+    bucket = request.getfixturevalue("s3_bucket")
+    return Store(f"s3://{bucket}/omni")

@@ -13,16 +13,8 @@ from omni_core.storage import Store
 
 
 @pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("OMNI_CACHE_DIR", str(tmp_path / "cache"))
-
-
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path) -> Store:
-    if request.param == "local":
-        return Store(str(tmp_path / "store"))
-    bucket = request.getfixturevalue("s3_bucket")
-    return Store(f"s3://{bucket}/omni")
+def _cache(omni_cache):
+    return omni_cache
 
 
 def test_fixture_writes_the_hub_layout_deterministically(tmp_path) -> None:

@@ -1,0 +1,167 @@
+"""Media helpers shared by the multimodal converters and their fixture generators.
+
+Validation returns a reason string (None when the bytes are usable) so converters can quarantine a
+row with it. Drawing and tone helpers are deterministic: the same arguments give the same bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+import struct
+import wave
+
+import pyarrow as pa
+from PIL import Image, ImageDraw, UnidentifiedImageError
+
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+MEDIA_LIST = pa.list_(pa.struct([("bytes", pa.binary())]))  # verl's `images` / `audios` / `videos`
+
+
+# ---- validation --------------------------------------------------------------------------------
+
+
+def image_problem(data: bytes | None) -> str | None:
+    """Why `data` is not a usable image, or None.
+
+    PNG is checked with `verify()`, which checks every chunk's CRC (a truncated or bit-flipped file
+    fails) without decoding pixels; other formats have no such checksums, so they are fully decoded.
+    """
+    if not data:
+        return "missing image"
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if img.format == "PNG":
+                img.verify()
+            else:
+                img.load()
+            if img.width < 1 or img.height < 1:
+                return "undecodable image: zero-sized"
+    except UnidentifiedImageError:
+        return "undecodable image: not a recognised image format"
+    except Exception as exc:  # PIL raises many types for bad input
+        return f"undecodable image: {exc.__class__.__name__}: {exc}"
+    return None
+
+
+def wav_problem(data: bytes | None) -> str | None:
+    """Why `data` is not a readable WAV file, or None (a truncated data chunk is a problem)."""
+    if not data:
+        return "missing audio"
+    try:
+        with wave.open(io.BytesIO(data), "rb") as wav:
+            channels, width, frames = wav.getnchannels(), wav.getsampwidth(), wav.getnframes()
+            if wav.getframerate() < 1 or frames < 1:
+                return "undecodable audio: WAV has no frames"
+            if len(wav.readframes(frames)) != frames * channels * width:
+                return "undecodable audio: WAV data is truncated"
+    except (wave.Error, EOFError, struct.error) as exc:
+        return f"undecodable audio: not a WAV file ({exc})"
+    return None
+
+
+def _iso_boxes(data: bytes) -> list[bytes] | None:
+    """Top-level ISO-BMFF box types, or None when the box sizes do not tile the file exactly."""
+    boxes, pos = [], 0
+    while pos < len(data):
+        if pos + 8 > len(data):
+            return None
+        size, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        if size == 1:  # 64-bit size follows
+            if pos + 16 > len(data):
+                return None
+            size = struct.unpack(">Q", data[pos + 8:pos + 16])[0]
+        elif size == 0:  # box runs to the end of the file
+            size = len(data) - pos
+        if size < 8 or pos + size > len(data):
+            return None
+        boxes.append(kind)
+        pos += size
+    return boxes
+
+
+def video_problem(data: bytes | None) -> str | None:
+    """Why `data` is not a video container, or None.
+
+    No video decoder is a dependency, so this checks the container: an MP4/MOV must be a complete
+    box structure starting with `ftyp` and holding a `moov` box; WebM/MKV and AVI by their magic.
+    """
+    if not data:
+        return "missing video"
+    if data[4:8] == b"ftyp":
+        boxes = _iso_boxes(data)
+        if boxes is None:
+            return "undecodable video: MP4 box structure is truncated"
+        return None if b"moov" in boxes else "undecodable video: MP4 has no moov box"
+    if data[:4] == b"\x1a\x45\xdf\xa3" or (data[:4] == b"RIFF" and data[8:12] == b"AVI "):
+        return None
+    return "undecodable video: not an MP4, MOV, WebM, MKV or AVI container"
+
+
+def safe_join(base: str, rel: str) -> str | None:
+    """`base/rel` as a normalised posix path, or None if `rel` is empty, absolute or escapes `base`."""
+    rel = rel.replace("\\", "/").strip()
+    if not rel or rel.startswith("/"):
+        return None
+    root = [p for p in base.split("/") if p not in ("", ".")]
+    parts = list(root)
+    for part in rel.split("/"):
+        if part == "..":
+            if len(parts) == len(root):
+                return None
+            parts.pop()
+        elif part not in ("", "."):
+            parts.append(part)
+    return "/".join(parts) if len(parts) > len(root) else None
+
+
+# ---- fixture helpers -----------------------------------------------------------------------------
+
+_COLORS = [(220, 60, 60), (60, 140, 220), (60, 180, 90), (240, 180, 40), (150, 80, 200), (40, 40, 40)]
+
+
+def draw_scene(rng: random.Random, size: tuple[int, int], label: str) -> Image.Image:
+    """A white canvas with a few random shapes and `label` written on it."""
+    img = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(img)
+    w, h = size
+    for _ in range(rng.randrange(2, 5)):
+        x0, y0 = rng.randrange(0, w // 2), rng.randrange(0, h // 2)
+        box = (x0, y0, x0 + rng.randrange(8, w // 2), y0 + rng.randrange(8, h // 2))
+        color = rng.choice(_COLORS)
+        if rng.random() < 0.5:
+            draw.ellipse(box, outline=color, width=2)
+        else:
+            draw.rectangle(box, outline=color, width=2)
+    draw.text((4, h - 14), label, fill="black")
+    return img
+
+
+def encode_image(img: Image.Image, fmt: str = "PNG") -> bytes:
+    out = io.BytesIO()
+    img.save(out, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return out.getvalue()
+
+
+def tone_wav(freq_hz: float, seconds: float = 0.25, rate: int = 16_000) -> bytes:
+    """A mono 16-bit PCM WAV of a sine tone."""
+    frames = b"".join(struct.pack("<h", int(12_000 * math.sin(2 * math.pi * freq_hz * i / rate)))
+                      for i in range(int(rate * seconds)))
+    out = io.BytesIO()
+    with wave.open(out, "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(rate)
+        wav.writeframes(frames)
+    return out.getvalue()
+
+
+def stub_mp4(payload: bytes) -> bytes:
+    """A minimal MP4 container (ftyp, moov, mdat boxes) around `payload`; not playable, structurally valid."""
+    def box(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I4s", 8 + len(body), kind) + body
+
+    return (box(b"ftyp", b"isom\x00\x00\x02\x00isomiso2mp41")
+            + box(b"moov", box(b"mvhd", bytes(100)))
+            + box(b"mdat", payload))
