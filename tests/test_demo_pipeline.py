@@ -62,7 +62,7 @@ def test_dataset_version_parquet_and_manifest(demo: dict) -> None:
     folder = store / "datasets/gsm8k" / version
     manifest = json.loads((folder / "_manifest.json").read_text())
     assert manifest["version"] == version and manifest["source_uri"] == "fixtures://gsm8k?rows=64&seed=0"
-    assert manifest["counts"] == {"read": 80, "rows": 80, "quarantined": 0}
+    assert manifest["counts"] == {"read": 80, "rows": 80, "quarantined": 0, "skipped": 0}
     assert [f["path"] for f in manifest["raw_files"]] == ["main/test-00000-of-00001.parquet",
                                                           "main/train-00000-of-00001.parquet"]
     shard = manifest["splits"]["train"]["shards"][0]

@@ -1,15 +1,24 @@
 """Reward functions by name, by `data_source`, or by a custom `path/to/file.py:function` spec.
 
-A reward function has the signature
-    compute_score(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float | dict
-and returns either the score as a float or a dict with at least the key "score" (plus any other
-per-sample metrics, e.g. "accuracy", "format_reward"). `as_score_dict` normalises both to a dict.
+A reward function has verl's custom-reward signature, so functions move between us and verl
+(`custom_reward_function.path/name`) in both directions:
+
+    compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict
+
+verl calls it with keyword arguments; so do we (`score_batch`). It returns the score as a float, or a
+dict with at least the key "score" plus other per-sample metrics ("accuracy", "format_reward", ...);
+`as_score_dict` normalises both. For image rewards `solution_str` is the image (see `images.py`).
+
+`get_reward(spec)` resolves a registered name ("mmk12"), a data_source ("openai/gsm8k"), or a file;
+`default_compute_score` is itself a reward function that dispatches each call by its `data_source`,
+as verl's `default_compute_score` does (registered as the name "default").
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -17,14 +26,30 @@ from typing import Any
 from omni_core.errors import ConfigError
 
 RewardFn = Callable[..., "float | dict[str, Any]"]
+SIGNATURE = "compute_score(data_source, solution_str, ground_truth, extra_info=None)"
 _BY_NAME: dict[str, RewardFn] = {}
 _BY_DATA_SOURCE: dict[str, RewardFn] = {}
+
+
+def accepts_verl_call(fn: Callable[..., Any]) -> bool:
+    """True if `fn` can be called as verl calls a reward: the four arguments by keyword."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: cannot tell, let the call decide
+        return True
+    try:
+        signature.bind(data_source="", solution_str="", ground_truth="", extra_info=None)
+    except TypeError:
+        return False
+    return True
 
 
 def register_reward(name: str, data_sources: Iterable[str] = ()) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register a reward function under `name` and each of its `data_sources`."""
 
     def wrap(fn: RewardFn) -> RewardFn:
+        if not accepts_verl_call(fn):
+            raise TypeError(f"reward {name!r}: {fn.__qualname__} must have the signature {SIGNATURE}")
         _BY_NAME[name] = fn
         for source in data_sources:
             _BY_DATA_SOURCE[source] = fn
@@ -41,6 +66,19 @@ def reward_data_sources() -> list[str]:
     return sorted(_BY_DATA_SOURCE)
 
 
+def _known() -> str:
+    return (f"known names: {', '.join(reward_names()) or '(none)'}; "
+            f"known data sources: {', '.join(reward_data_sources()) or '(none)'}")
+
+
+def reward_for_data_source(data_source: str) -> RewardFn:
+    """The reward function registered for `data_source`; ConfigError if there is none."""
+    try:
+        return _BY_DATA_SOURCE[data_source]
+    except KeyError:
+        raise ConfigError(f"no reward registered for data_source {data_source!r}; {_known()}") from None
+
+
 def get_reward(spec: str) -> RewardFn:
     """The reward function for a registered name, a data_source, or `path/to/file.py:function`."""
     if spec in _BY_NAME:
@@ -50,11 +88,7 @@ def get_reward(spec: str) -> RewardFn:
     path, sep, func = spec.rpartition(":")
     if sep and path.endswith(".py"):
         return _load_custom(Path(path).expanduser(), func, spec)
-    raise ConfigError(
-        f"unknown reward {spec!r}; known names: {', '.join(reward_names()) or '(none)'}; "
-        f"known data sources: {', '.join(reward_data_sources()) or '(none)'}; "
-        "or give a custom reward as 'path/to/file.py:function'"
-    )
+    raise ConfigError(f"unknown reward {spec!r}; {_known()}; or give a custom reward as 'path/to/file.py:function'")
 
 
 def _load_custom(path: Path, func: str, spec: str) -> RewardFn:
@@ -72,7 +106,24 @@ def _load_custom(path: Path, func: str, spec: str) -> RewardFn:
     fn = getattr(module, func, None)
     if not callable(fn):
         raise ConfigError(f"custom reward {spec!r}: {path} defines no function {func!r}; fix the name")
+    if not accepts_verl_call(fn):
+        raise ConfigError(f"custom reward {spec!r}: {func}{inspect.signature(fn)} cannot be called as "
+                          f"verl calls rewards; use the signature {SIGNATURE}")
     return fn
+
+
+@register_reward("default")
+def default_compute_score(
+    data_source: str,
+    solution_str: Any,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> float | dict[str, Any]:
+    """Score with the reward registered for `data_source` (verl's `default_compute_score` role)."""
+    fn = reward_for_data_source(data_source)
+    return fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+              extra_info=extra_info, **kwargs)
 
 
 def as_score_dict(result: float | dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import torch
 from omni_core.algorithms import get_policy_loss, grpo_advantages
 from omni_core.config.models import RLStage
 from omni_core.models import load_model, sequence_logprobs
-from omni_core.rewards import as_score_dict, get_reward
+from omni_core.rewards import score_batch
 
 
 @dataclass
@@ -94,11 +94,13 @@ class GRPOTrainer:
         )
 
     def score(self, rows: list[dict[str, Any]], batch: Batch) -> torch.Tensor:
-        reward_fn = get_reward(self.stage.reward.name)
+        """verl's reward call: keyword arguments data_source, solution_str, ground_truth, extra_info."""
         n = self.stage.rollout.n
-        scores = [as_score_dict(reward_fn(text, rows[i // n]["reward_model"]["ground_truth"],
-                                          rows[i // n].get("extra_info")))["score"]
-                  for i, text in enumerate(batch.responses)]
+        items = [{"data_source": rows[i // n].get("data_source", ""), "solution_str": text,
+                  "ground_truth": rows[i // n]["reward_model"]["ground_truth"],
+                  "extra_info": rows[i // n].get("extra_info")}
+                 for i, text in enumerate(batch.responses)]
+        scores = [result["score"] for result in score_batch(items, self.stage.reward.name)]
         return torch.tensor(scores, dtype=torch.float32)
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
