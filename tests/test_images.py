@@ -349,3 +349,27 @@ def test_builtin_specs_and_their_base_images() -> None:
     assert base_image(DOCKERFILES["ascend"].read_text(), {"CANN_TAG": "9.0.0-a3-ubuntu22.04-py3.12"}) == \
         "quay.io/ascend/cann:9.0.0-a3-ubuntu22.04-py3.12"
     assert len(content_tag(cuda)) == 26 and content_tag(cuda) != content_tag(ascend)
+
+
+# ---- as a pipeline stage --------------------------------------------------------------------------
+
+def test_build_images_stage_records_the_digest_in_mlflow(built: dict, tmp_path: Path) -> None:
+    from omni_core.config import validate_pipeline
+    from omni_core.pipeline import PipelineRun
+
+    spec_file = built["spec"].context.parent / "testimg.yaml"
+    spec_file.write_text("target: testimg\ndockerfile: ctx/Dockerfile\ncontext: ctx\n")
+    config = validate_pipeline({
+        "name": "images-stage", "store": built["store"].root, "tracking_uri": f"sqlite:///{tmp_path / 'm.db'}",
+        "stages": [{"name": "images", "kind": "build_images", "targets": [str(spec_file)], "push": True,
+                    "registry": built["registry"]}],
+    })
+    run = PipelineRun.start(config, progress=lambda line: None)
+    outcome = run.run_stage("images")
+    run.finish(ok=True)
+    record = built["outcome"].record
+    assert outcome.status == "reused"
+    assert outcome.outputs["images"]["testimg"]["pinned_ref"] == record.pinned_ref
+    tags = run.tracker.client.get_run(outcome.mlflow_run_id).data.tags
+    assert tags["omni.image.testimg.digest"] == record.digest
+    assert tags["omni.image.testimg.ref"] == record.pinned_ref

@@ -10,6 +10,8 @@ from omni_core.config.loader import (
 )
 from omni_core.config.models import (
     AlgorithmConfig,
+    AnyStage,
+    BuildImagesStage,
     DatasetConfig,
     IngestStage,
     PipelineConfig,
@@ -22,6 +24,8 @@ from omni_core.config.models import (
 
 __all__ = [
     "AlgorithmConfig",
+    "AnyStage",
+    "BuildImagesStage",
     "ConfigValidationError",
     "DatasetConfig",
     "IngestStage",

@@ -39,6 +39,14 @@ class IngestStage(StageBase):
     workers: int = Field(1, ge=1, description="Processes converting rows in parallel.")
 
 
+class BuildImagesStage(StageBase):
+    kind: Literal["build_images"] = "build_images"
+    targets: list[str] = Field(min_length=1, description="cuda, ascend, or image spec files (.yaml/.json).")
+    push: bool = False
+    registry: str | None = Field(None, description="HOST[:PORT][/NAMESPACE]; default $OMNI_IMAGE_REGISTRY.")
+    builder: Literal["auto", "buildah", "docker"] = "auto"
+
+
 class AlgorithmConfig(Strict):
     name: Literal["grpo", "gspo"] = "grpo"
     clip_ratio_low: float = Field(0.2, ge=0)
@@ -78,7 +86,8 @@ class RLStage(StageBase):
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved for the trainer actor.")
 
 
-Stage = Annotated[IngestStage | RLStage, Field(discriminator="kind")]
+AnyStage = IngestStage | BuildImagesStage | RLStage
+Stage = Annotated[AnyStage, Field(discriminator="kind")]
 
 
 class PipelineConfig(Strict):
@@ -108,7 +117,7 @@ class PipelineConfig(Strict):
         self.ordered_stages()  # raises on a cycle
         return self
 
-    def ordered_stages(self) -> list[IngestStage | RLStage]:
+    def ordered_stages(self) -> list[AnyStage]:
         """Stages in dependency order; among ready stages, file order (so runs are reproducible)."""
         done: list[str] = []
         pending = list(self.stages)
@@ -120,14 +129,16 @@ class PipelineConfig(Strict):
             pending.remove(ready[0])
         return [self.stage(n) for n in done]
 
-    def stage(self, name: str) -> IngestStage | RLStage:
+    def stage(self, name: str) -> AnyStage:
         for stage in self.stages:
             if stage.name == name:
                 return stage
         raise KeyError(name)
 
 
-def _dataset_refs(stage: IngestStage | RLStage) -> list[str]:
+def _dataset_refs(stage: AnyStage) -> list[str]:
     if isinstance(stage, IngestStage):
         return list(stage.datasets)
-    return [stage.data.split(":", 1)[0]]
+    if isinstance(stage, RLStage):
+        return [stage.data.split(":", 1)[0]]
+    return []

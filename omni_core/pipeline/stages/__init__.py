@@ -22,4 +22,4 @@ def stage_runner(kind: str) -> StageRunner:
     return _RUNNERS[kind]
 
 
-from omni_core.pipeline.stages import ingest, rl  # noqa: E402,F401  (register the kinds)
+from omni_core.pipeline.stages import build_images, ingest, rl  # noqa: E402,F401  (register the kinds)

@@ -9,6 +9,7 @@ from omni_core.data import DatasetVersion, load_version
 from omni_core.errors import ConfigError
 from omni_core.lineage import log_dataset_version
 from omni_core.pipeline.stages import register_stage
+from omni_core.pipeline.stages.build_images import upstream_images
 from omni_core.training import run_rl_stage
 
 
@@ -41,6 +42,9 @@ def run_rl(run: Any, stage: RLStage, mlflow_run_id: str) -> dict[str, Any]:
         shard_keys=dv.shard_keys(split), dataset_version=dv.version, ray_config=run.config.ray,
         tracking_uri=run.tracker.tracking_uri, mlflow_run_id=mlflow_run_id, progress=run.progress,
     )
+    for target, image in upstream_images(run).items():  # the images this pipeline built for its stages
+        run.tracker.set_tags(mlflow_run_id, {f"omni.image.{target}.ref": image["pinned_ref"],
+                                             f"omni.image.{target}.digest": image["digest"] or ""})
     run.tracker.set_tags(mlflow_run_id, {"omni.run_key": result.run_key, "omni.checkpoint_uri": result.checkpoint_uri,
                                          "omni.checkpoint_sha256": result.weights_sha256,
                                          "omni.cache_hit": str(result.reused).lower()})
