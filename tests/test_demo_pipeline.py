@@ -75,6 +75,25 @@ def test_dataset_version_parquet_and_manifest(demo: dict) -> None:
     assert first["reward_model"]["ground_truth"].lstrip("-").isdigit()
 
 
+def test_mmk12_version_has_images(demo: dict) -> None:
+    from io import BytesIO
+
+    from PIL import Image
+
+    from omni_core.data.mmk12 import SCHEMA as MMK12_SCHEMA
+
+    store = demo["store"]
+    version = (store / "datasets/mmk12/LATEST").read_text().strip()
+    manifest = json.loads((store / "datasets/mmk12" / version / "_manifest.json").read_text())
+    assert manifest["splits"]["train"]["rows"] == 32 and manifest["counts"]["quarantined"] == 0
+    table = pq.read_table(store / manifest["splits"]["train"]["shards"][0]["key"])
+    assert table.schema.equals(MMK12_SCHEMA)
+    row = table.slice(0, 1).to_pylist()[0]
+    assert row["prompt"][0]["content"].startswith("<image>\n")
+    with Image.open(BytesIO(row["images"][0]["bytes"])) as image:
+        assert image.width > 0 and image.height > 0
+
+
 def test_mlflow_parent_and_child_runs_with_dataset_input(demo: dict) -> None:
     client: MlflowClient = demo["client"]
     experiment = client.get_experiment_by_name("gsm8k-grpo-demo")
@@ -88,6 +107,8 @@ def test_mlflow_parent_and_child_runs_with_dataset_input(demo: dict) -> None:
     children = {r.data.tags["mlflow.runName"]: r for r in runs
                 if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
     assert set(children) == {"ingest", "rl"}
+    ingested = {i.dataset.name for i in children["ingest"].inputs.dataset_inputs}
+    assert ingested == {"gsm8k", "mmk12"}
     assert all(c.info.status == "FINISHED" for c in children.values())
 
     version = (demo["store"] / "datasets/gsm8k/LATEST").read_text().strip()
