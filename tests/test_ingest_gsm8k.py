@@ -119,3 +119,21 @@ def test_workers_give_the_same_bytes(tmp_path) -> None:
     assert serial.version == parallel.version
     assert serial.manifest["splits"] == parallel.manifest["splits"]  # same keys, row counts and shard digests
     assert [s["rows"] for s in serial.manifest["splits"]["train"]["shards"]] == [250, 250, 100]
+
+
+def test_an_s3_source_is_ingested_like_a_local_one(tmp_path, s3_bucket) -> None:
+    raw = tmp_path / "raw"
+    write_fixture("gsm8k", raw, rows=9, seed=5)
+    source = Store(f"s3://{s3_bucket}/raw/gsm8k")
+    for path in sorted(p for p in raw.rglob("*") if p.is_file()):
+        source.write_bytes(path.relative_to(raw).as_posix(), path.read_bytes())
+    local = ingest(Store(str(tmp_path / "a")), "gsm8k", DatasetConfig(source=str(raw), converter="gsm8k"),
+                   progress=lambda _: None)
+    remote = ingest(Store(str(tmp_path / "b")), "gsm8k",
+                    DatasetConfig(source=f"s3://{s3_bucket}/raw/gsm8k", converter="gsm8k"), progress=lambda _: None)
+    assert remote.version == local.version  # same bytes, same version, wherever they came from
+    assert remote.manifest["source_uri"] == f"s3://{s3_bucket}/raw/gsm8k"
+    source.write_bytes("main/test-00000-of-00001.parquet", (raw / "main/train-00000-of-00001.parquet").read_bytes())
+    changed = ingest(Store(str(tmp_path / "b")), "gsm8k",
+                     DatasetConfig(source=f"s3://{s3_bucket}/raw/gsm8k", converter="gsm8k"), progress=lambda _: None)
+    assert changed.version != remote.version  # a changed source is re-read, never served stale

@@ -81,18 +81,27 @@ def _fixture_dir(name: str, query: dict[str, list[str]], uri: str) -> Path:
 
 
 def _download_s3(uri: str) -> Path:
+    """Copies the prefix to a local cache, streamed; fetched anew each time so a changed source is never stale."""
     from omni_core.storage import Store
 
     store = Store(uri)
     keys = store.list()
     if not keys:
         raise DataError(f"dataset source {uri}: no objects under this prefix; check the URI")
-    root = cache_dir("raw", hashlib.sha256(uri.encode()).hexdigest()[:16])
-    for key in keys:
-        target = root / key
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(store.read_bytes(key))
-    return root
+    final = cache_dir("raw") / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        for key in keys:
+            target = tmp / key
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with store.open_read(key) as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
 
 
 def _download_hub(repo_id: str) -> Path:
