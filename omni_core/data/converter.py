@@ -76,6 +76,25 @@ def iter_parquet_records(raw: RawSource, rel: str, columns: list[str], batch_row
             row += 1
 
 
+class HubParquetConverter(Converter):
+    """A dataset shipped as `{split}-NNNNN-of-NNNNN.parquet` shards (anywhere under the source folder)."""
+
+    raw_columns: ClassVar[list[str]]
+    split_names: ClassVar[tuple[str, ...]] = ("train", "test")
+    read_batch_rows: ClassVar[int] = 1000
+
+    def _files(self, raw: RawSource, split: str) -> list[str]:
+        return sorted(rel for rel in raw.files
+                      if rel.rsplit("/", 1)[-1].startswith(f"{split}-") and rel.endswith(".parquet"))
+
+    def splits(self, raw: RawSource) -> list[str]:
+        return [split for split in self.split_names if self._files(raw, split)]
+
+    def records(self, raw: RawSource, split: str) -> Iterator[RawRecord]:
+        for rel in self._files(raw, split):
+            yield from iter_parquet_records(raw, rel, self.raw_columns, batch_rows=self.read_batch_rows)
+
+
 _CONVERTERS: dict[str, type[Converter]] = {}
 
 

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
 
 from omni_core.data.converter import (
-    Converter,
-    RawRecord,
+    HubParquetConverter,
     RowRejected,
-    iter_parquet_records,
     register_converter,
 )
 from omni_core.data.sources import RawSource
@@ -37,21 +34,11 @@ def extract_solution(answer: str) -> str | None:
 
 
 @register_converter
-class GSM8KConverter(Converter):
+class GSM8KConverter(HubParquetConverter):
     name = "gsm8k"
     version = "1"
     schema = SCHEMA
-
-    def _files(self, raw: RawSource, split: str) -> list[str]:
-        return sorted(rel for rel in raw.files
-                      if rel.rsplit("/", 1)[-1].startswith(f"{split}-") and rel.endswith(".parquet"))
-
-    def splits(self, raw: RawSource) -> list[str]:
-        return [split for split in ("train", "test") if self._files(raw, split)]
-
-    def records(self, raw: RawSource, split: str) -> Iterator[RawRecord]:
-        for rel in self._files(raw, split):
-            yield from iter_parquet_records(raw, rel, ["question", "answer"])
+    raw_columns = ["question", "answer"]
 
     def convert(self, record: dict[str, Any], split: str, index: int, raw: RawSource) -> dict[str, Any]:
         question, answer = record.get("question"), record.get("answer")

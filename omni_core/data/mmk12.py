@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +18,8 @@ import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
 from omni_core.data.converter import (
-    Converter,
-    RawRecord,
+    HubParquetConverter,
     RowRejected,
-    iter_parquet_records,
     register_converter,
 )
 from omni_core.data.fixtures import register_fixture
@@ -69,21 +67,12 @@ def _image_bytes(field: Any) -> bytes | None:
 
 
 @register_converter
-class MMK12Converter(Converter):
+class MMK12Converter(HubParquetConverter):
     name = "mmk12"
     version = "1"
     schema = SCHEMA
-
-    def _files(self, raw: RawSource, split: str) -> list[str]:
-        return sorted(rel for rel in raw.files
-                      if rel.rsplit("/", 1)[-1].startswith(f"{split}-") and rel.endswith(".parquet"))
-
-    def splits(self, raw: RawSource) -> list[str]:
-        return [split for split in ("train", "test") if self._files(raw, split)]
-
-    def records(self, raw: RawSource, split: str) -> Iterator[RawRecord]:
-        for rel in self._files(raw, split):
-            yield from iter_parquet_records(raw, rel, RAW_COLUMNS, batch_rows=256)  # rows carry images
+    raw_columns = RAW_COLUMNS
+    read_batch_rows = 256  # rows carry images
 
     def convert(self, record: dict[str, Any], split: str, index: int, raw: RawSource) -> dict[str, Any]:
         question = str(record.get("question") or "").strip()
