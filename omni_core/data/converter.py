@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pyarrow as pa
@@ -57,10 +58,30 @@ class Converter:
         """One output row (media embedded as bytes); raise RowRejected or RowSkipped(reason) otherwise."""
         raise NotImplementedError
 
+    def chunks(self, raw: RawSource, split: str) -> list[Chunk] | None:
+        """Independent pieces of a split that a worker can read by itself (so raw bytes never cross
+        processes), in order; None when the layout cannot be split (records are then read here)."""
+        return None
 
-def iter_parquet_records(raw: RawSource, rel: str, columns: list[str], batch_rows: int = 1000
-                         ) -> Iterator[RawRecord]:
-    """Records of one raw Parquet file, read batch by batch; a corrupt file or missing column is a DataError."""
+
+@dataclass(frozen=True)
+class Chunk:
+    """Row groups of one raw Parquet file; `first_index` is its first row's position in the split."""
+
+    rel: str
+    row_groups: tuple[int, ...]
+    first_row: int  # row number within the file
+    first_index: int
+    columns: tuple[str, ...]
+
+    def records(self, raw: RawSource) -> Iterator[RawRecord]:
+        table = pq.ParquetFile(raw.path(self.rel)).read_row_groups(list(self.row_groups), columns=list(self.columns))
+        for offset, record in enumerate(table.to_pylist()):
+            yield self.rel, self.first_row + offset, record
+
+
+def _parquet_file(raw: RawSource, rel: str, columns: list[str]) -> pq.ParquetFile:
+    """An open raw Parquet file that has `columns`; a corrupt file or a missing column is a DataError."""
     try:
         parquet = pq.ParquetFile(raw.path(rel))
     except (OSError, pa.ArrowInvalid) as exc:
@@ -69,6 +90,13 @@ def iter_parquet_records(raw: RawSource, rel: str, columns: list[str], batch_row
     if missing:
         raise DataError(f"{raw.uri}: {rel} lacks column(s) {missing}; expected {columns}, "
                         f"found {parquet.schema_arrow.names}")
+    return parquet
+
+
+def iter_parquet_records(raw: RawSource, rel: str, columns: list[str], batch_rows: int = 1000
+                         ) -> Iterator[RawRecord]:
+    """Records of one raw Parquet file, read batch by batch; a corrupt file or missing column is a DataError."""
+    parquet = _parquet_file(raw, rel, columns)
     row = 0
     for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns):
         for record in batch.to_pylist():
@@ -93,6 +121,22 @@ class HubParquetConverter(Converter):
     def records(self, raw: RawSource, split: str) -> Iterator[RawRecord]:
         for rel in self._files(raw, split):
             yield from iter_parquet_records(raw, rel, self.raw_columns, batch_rows=self.read_batch_rows)
+
+    def chunks(self, raw: RawSource, split: str) -> list[Chunk]:
+        """Consecutive row groups of about `read_batch_rows` rows, file by file."""
+        out: list[Chunk] = []
+        index = 0
+        for rel in self._files(raw, split):
+            metadata = _parquet_file(raw, rel, self.raw_columns).metadata
+            row = 0
+            group: list[int] = []
+            for rg in range(metadata.num_row_groups):
+                group.append(rg)
+                rows = sum(metadata.row_group(g).num_rows for g in group)
+                if rows >= self.read_batch_rows or rg == metadata.num_row_groups - 1:
+                    out.append(Chunk(rel, tuple(group), row, index, tuple(self.raw_columns)))
+                    row, index, group = row + rows, index + rows, []
+        return out
 
 
 _CONVERTERS: dict[str, type[Converter]] = {}

@@ -10,6 +10,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
+import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import ExitStack
@@ -20,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from omni_core.config.models import DatasetConfig
-from omni_core.data.converter import Converter, RawRecord, RowRejected, RowSkipped, get_converter
+from omni_core.data.converter import Chunk, Converter, RawRecord, RowRejected, RowSkipped, get_converter
 from omni_core.data.sources import RawSource, resolve_source
 from omni_core.errors import DataError
 from omni_core.storage import Store
@@ -113,9 +116,14 @@ def _convert(store: Store, name: str, version: str, prefix: str, raw: RawSource,
     quarantined: list[dict[str, Any]] = []
     entries = {}
     with ExitStack() as stack:
-        pool = stack.enter_context(ProcessPoolExecutor(workers)) if workers > 1 else None
+        pool = spill_dir = None
+        if workers > 1:
+            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+            spill_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="omni-ingest-", dir=shm))
+            pool = stack.enter_context(ProcessPoolExecutor(workers))
         for split in splits:
-            entries[split] = _write_split(store, prefix, split, raw, converter, config.shard_rows, quarantined, pool)
+            entries[split] = _write_split(store, prefix, split, raw, converter, config.shard_rows, quarantined,
+                                          pool, spill_dir)
             e = entries[split]
             progress(f"dataset {name}: {split}: {e['read']} read, {e['rows']} written in {len(e['shards'])} "
                      f"shard(s), {e['quarantined']} quarantined, {e['skipped']} skipped")
@@ -146,52 +154,87 @@ def _convert(store: Store, name: str, version: str, prefix: str, raw: RawSource,
     }
 
 
-Outcome = tuple[str, Any]  # ("row", row) | ("rejected", reason) | ("skipped", reason)
+@dataclass
+class _Converted:
+    """What one unit of work produced. A worker hands rows back as an Arrow IPC file in `spill_dir`
+    (shared memory where there is one) because pickling tables through the pool's pipe was slower
+    than the conversion itself; the main process memory-maps it."""
+
+    table: pa.Table | None
+    quarantined: list[dict[str, Any]]
+    read: int
+    skipped: int
+    ipc_path: str | None = None
+
+    def rows(self) -> pa.Table:
+        if self.table is not None:
+            return self.table
+        with pa.memory_map(self.ipc_path) as source:
+            return pa.ipc.open_file(source).read_all()
+
+    def release(self) -> None:
+        if self.ipc_path:
+            os.unlink(self.ipc_path)
 
 
-def _convert_batch(converter_name: str, raw: RawSource, split: str, items: list[tuple[int, dict[str, Any]]]
-                   ) -> list[Outcome]:
-    """Runs in the main process or a worker: converters are looked up by name, so nothing unpicklable travels."""
+Work = Chunk | tuple[int, list[RawRecord]]  # a chunk a worker reads itself, or (first index, records read here)
+
+
+def _convert_work(converter_name: str, raw: RawSource, split: str, work: Work, spill_dir: str | None = None
+                  ) -> _Converted:
+    """Runs in this process or a worker: converters are looked up by name, so nothing unpicklable travels."""
     converter = get_converter(converter_name)
-    out: list[Outcome] = []
-    for index, record in items:
+    first_index, records = (work.first_index, work.records(raw)) if isinstance(work, Chunk) else work
+    rows, quarantined = [], []
+    read = skipped = 0
+    for index, (rel, row, record) in enumerate(records, start=first_index):
+        read += 1
         try:
-            out.append(("row", converter.convert(record, split, index, raw)))
+            rows.append(converter.convert(record, split, index, raw))
         except RowRejected as exc:
-            out.append(("rejected", exc.reason))
-        except RowSkipped as exc:
-            out.append(("skipped", exc.reason))
-    return out
+            quarantined.append({"split": split, "source_file": rel, "row": row, "reason": exc.reason,
+                                "raw": _raw_json(record)})
+        except RowSkipped:
+            skipped += 1
+    table = pa.Table.from_pylist(rows, schema=converter.schema)
+    if spill_dir is None:
+        return _Converted(table, quarantined, read, skipped)
+    path = os.path.join(spill_dir, f"{uuid.uuid4().hex}.arrow")
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, converter.schema) as ipc:
+        ipc.write_table(table)
+    return _Converted(None, quarantined, read, skipped, path)
 
 
-def _batches(records: Iterator[RawRecord]) -> Iterator[list[tuple[int, RawRecord]]]:
-    batch: list[tuple[int, RawRecord]] = []
-    for index, record in enumerate(records):
-        batch.append((index, record))
-        if len(batch) == BATCH_ROWS:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def _converted(converter: Converter, raw: RawSource, split: str, pool: ProcessPoolExecutor | None
-               ) -> Iterator[tuple[list[tuple[int, RawRecord]], list[Outcome]]]:
-    """(batch, outcomes) in input order; with a pool, at most 2 batches per worker are in flight (bounded memory)."""
-    batches = _batches(converter.records(raw, split))
-    if pool is None:
-        for batch in batches:
-            yield batch, _convert_batch(converter.name, raw, split, [(i, r[2]) for i, r in batch])
+def _work(converter: Converter, raw: RawSource, split: str) -> Iterator[Work]:
+    chunks = converter.chunks(raw, split)
+    if chunks is not None:
+        yield from chunks
         return
-    window: list[tuple[list[tuple[int, RawRecord]], Future]] = []
-    limit = 2 * pool._max_workers
-    for batch in batches:
-        window.append((batch, pool.submit(_convert_batch, converter.name, raw, split, [(i, r[2]) for i, r in batch])))
-        if len(window) >= limit:
-            done_batch, future = window.pop(0)
-            yield done_batch, future.result()
-    for done_batch, future in window:
-        yield done_batch, future.result()
+    batch: list[RawRecord] = []
+    first = 0
+    for index, record in enumerate(converter.records(raw, split)):
+        batch.append(record)
+        if len(batch) == BATCH_ROWS:
+            yield first, batch
+            first, batch = index + 1, []
+    if batch:
+        yield first, batch
+
+
+def _converted(converter: Converter, raw: RawSource, split: str, pool: ProcessPoolExecutor | None,
+               spill_dir: str | None) -> Iterator[_Converted]:
+    """Results in input order; with a pool, at most 2 units per worker are in flight (bounded memory)."""
+    if pool is None:
+        for work in _work(converter, raw, split):
+            yield _convert_work(converter.name, raw, split, work)
+        return
+    window: list[Future] = []
+    for work in _work(converter, raw, split):
+        window.append(pool.submit(_convert_work, converter.name, raw, split, work, spill_dir))
+        if len(window) >= 2 * pool._max_workers:
+            yield window.pop(0).result()
+    for future in window:
+        yield future.result()
 
 
 def _raw_json(record: dict[str, Any]) -> str:
@@ -204,22 +247,17 @@ def _raw_json(record: dict[str, Any]) -> str:
 
 
 def _write_split(store: Store, prefix: str, split: str, raw: RawSource, converter: Converter, shard_rows: int,
-                 quarantined: list[dict[str, Any]], pool: ProcessPoolExecutor | None) -> dict[str, Any]:
+                 quarantined: list[dict[str, Any]], pool: ProcessPoolExecutor | None, spill_dir: str | None
+                 ) -> dict[str, Any]:
     writer = _ShardWriter(store, prefix, split, converter.schema, shard_rows)
     read = skipped = 0
     try:
-        for batch, outcomes in _converted(converter, raw, split, pool):
-            rows = []
-            for (_, (rel, row, record)), (kind, value) in zip(batch, outcomes, strict=True):
-                read += 1
-                if kind == "row":
-                    rows.append(value)
-                elif kind == "skipped":
-                    skipped += 1
-                else:
-                    quarantined.append({"split": split, "source_file": rel, "row": row, "reason": value,
-                                        "raw": _raw_json(record)})
-            writer.write(rows)
+        for result in _converted(converter, raw, split, pool, spill_dir):
+            read += result.read
+            skipped += result.skipped
+            quarantined.extend(result.quarantined)
+            writer.write(result.rows())
+            result.release()
         writer.close()
     except BaseException:
         writer.abort()
@@ -266,14 +304,14 @@ class _ShardWriter:
         self._key = ""
         self._rows = 0
 
-    def write(self, rows: list[dict[str, Any]]) -> None:
-        while rows:
+    def write(self, table: pa.Table) -> None:
+        while table.num_rows:
             if self._writer is None:
                 self._open()
-            take = rows[: self.shard_rows - self._rows]
-            rows = rows[len(take):]
-            self._writer.write_table(pa.Table.from_pylist(take, schema=self.schema))
-            self._rows += len(take)
+            take = table.slice(0, self.shard_rows - self._rows)
+            table = table.slice(take.num_rows)
+            self._writer.write_table(take)
+            self._rows += take.num_rows
             if self._rows >= self.shard_rows:
                 self.close()
 

@@ -6,6 +6,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -35,7 +36,10 @@ def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
 
 def _digest_tree(root: Path) -> dict[str, str]:
     files = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
-    return {p.relative_to(root).as_posix(): file_sha256(p) for p in files}
+    # hashlib releases the GIL on large updates, so threads digest several files at once.
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(file_sha256, files))
+    return {p.relative_to(root).as_posix(): d for p, d in zip(files, digests, strict=True)}
 
 
 def resolve_source(uri: str) -> RawSource:
