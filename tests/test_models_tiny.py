@@ -126,11 +126,22 @@ def test_load_local_directory_and_file_uri(lm_dir):
         assert type(model).__name__ == "Qwen3ForCausalLM" and tok.eos_token == "<|im_end|>"
 
 
+def test_load_from_an_s3_prefix(lm_dir, s3_bucket):
+    from omni_core.storage import Store
+
+    store = Store(f"s3://{s3_bucket}/models/lm")
+    for path in sorted(p for p in lm_dir.rglob("*") if p.is_file()):
+        store.write_bytes(path.relative_to(lm_dir).as_posix(), path.read_bytes())
+    model, tok = load_model(f"s3://{s3_bucket}/models/lm")
+    local, _ = load_model(str(lm_dir))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), local.state_dict().values(), strict=True))
+    assert tok.eos_token == "<|im_end|>"
+
+
 @pytest.mark.parametrize(
     ("uri", "needle"),
     [
         ("tiny://nope", "tiny://lm"),
-        ("s3://bucket/model", "tiny://"),
         ("./no/such/model/dir", "config.json"),
         ("", "tiny://"),
         ("not a uri!", "hub id"),

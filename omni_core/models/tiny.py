@@ -1,5 +1,9 @@
 """Built-in tiny models: random weights and a locally trained tokenizer, built offline.
 
+Three are built in: `tiny://lm` (below), `tiny://qwen3-omni` (`omni_core.models.tiny_omni`) and
+`tiny://sd3` (`omni_core.models.tiny_sd3`). This module holds what they share: the recipe digest,
+byte-level BPE training, seeded weight init and the atomic on-disk cache.
+
 `tiny://lm` is transformers' Qwen3 causal LM at toy size (hidden 64, 2 layers, 4 heads, 2 kv heads,
 tied embeddings, float32) with a byte-level BPE tokenizer trained on the fixed corpus below
 (English word problems, digits, `####`, chat and `<think>/<answer>` markup). Nothing is downloaded.
@@ -13,6 +17,7 @@ so concurrent processes never see a half-built directory.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -159,13 +164,15 @@ How What If She He They The There Each Every In A An After Then So This That It 
 """
 
 
-def _corpus() -> list[str]:
+def lm_corpus() -> list[str]:
+    """The tokenizer corpus of tiny://lm (the other tiny models extend it)."""
     words = " ".join(_WORDS.split())
     chat = "<|im_start|>system\n<|im_end|>\n<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n<|im_end|>"
     return [*_CORPUS, words, words, chat, chat]
 
 
-def _digest(obj: object) -> str:
+def digest(obj: object) -> str:
+    """A 12-hex-digit digest of a JSON-serialisable object (key order does not matter)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -180,7 +187,7 @@ def _lm_recipe(seed: int) -> dict:
             "split_pattern": _SPLIT_PATTERN,
             "special_tokens": SPECIAL_TOKENS,
             "chat_template": CHAT_TEMPLATE,
-            "corpus_sha256": hashlib.sha256("\n".join(_corpus()).encode()).hexdigest(),
+            "corpus_sha256": hashlib.sha256("\n".join(lm_corpus()).encode()).hexdigest(),
         },
         "model": {
             "architecture": "Qwen3ForCausalLM",
@@ -197,27 +204,42 @@ def _lm_recipe(seed: int) -> dict:
     }
 
 
-def _build_tokenizer(recipe: dict):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+def train_byte_bpe(corpus: list[str], *, vocab_size: int, min_frequency: int, special_tokens: list[str]):
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `corpus` (Qwen2's pre-tokenizer split).
 
-    spec = recipe["tokenizer"]
+    `special_tokens` get ids 0, 1, 2, ... in order. Deterministic: same inputs, same vocab and merges.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(spec["split_pattern"]), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=spec["vocab_size"],
-        min_frequency=spec["min_frequency"],
-        special_tokens=spec["special_tokens"],
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def _build_tokenizer(recipe: dict):
+    from transformers import PreTrainedTokenizerFast
+
+    spec = recipe["tokenizer"]
+    tok = train_byte_bpe(
+        lm_corpus(),
+        vocab_size=spec["vocab_size"],
+        min_frequency=spec["min_frequency"],
+        special_tokens=spec["special_tokens"],
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD_TOKEN,
@@ -241,24 +263,34 @@ def _build_model(recipe: dict, tokenizer):
     config = Qwen3Config(vocab_size=len(tokenizer), dtype=recipe["model"]["dtype"], **spec, **ids)
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
         model = Qwen3ForCausalLM(config).to(torch.float32)
-    _init_weights(model, recipe["seed"], config.initializer_range)
+    seeded_init_(model, recipe["seed"], config.initializer_range)
     model.generation_config = GenerationConfig(**ids)
     return model
 
 
 @torch.no_grad()
-def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
-    """Norm weights 1, every other weight N(0, std) from its own generator seeded by (seed, name).
+def seeded_init_(model: torch.nn.Module, seed: int, std: float) -> None:
+    """Norm weights 1, biases 0, every other parameter N(0, std) from its own generator seeded by
+    (seed, parameter name).
 
-    Independent of transformers' own init code and of the global RNG, so builds are reproducible
-    across versions and safe in concurrent threads.
+    Independent of the libraries' own init code and of the global RNG, so builds are reproducible
+    across versions and safe in concurrent threads. A norm is any module whose class name contains
+    "Norm" (LayerNorm, RMSNorm, GroupNorm, ...); only its own parameters count, not its children's.
     """
-    for name, param in model.named_parameters():  # tied lm_head is the embedding: listed once
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-            continue
-        gen = torch.Generator().manual_seed(int(_digest([seed, name]), 16))
-        param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+    norm_params = {
+        f"{prefix}.{pname}" if prefix else pname
+        for prefix, module in model.named_modules()
+        if "Norm" in type(module).__name__
+        for pname, _ in module.named_parameters(recurse=False)
+    }
+    for name, param in model.named_parameters():  # a tied weight is listed once
+        if name in norm_params:
+            param.fill_(1.0 if name.endswith("weight") else 0.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            gen = torch.Generator().manual_seed(int(digest([seed, name]), 16))
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
 
 
 def _model_card(name: str, recipe: dict, vocab_size: int) -> str:
@@ -285,10 +317,35 @@ def _build_lm(name: str, recipe: dict, out: Path) -> None:
     (out / "README.md").write_text(_model_card(name, recipe, len(tokenizer)))
 
 
+Recipe = Callable[[int], dict]
+Builder = Callable[[str, dict, Path], None]
+
 # name -> (recipe for a seed, builder writing the model into a directory)
-TINY_MODELS: dict[str, tuple[Callable[[int], dict], Callable[[str, dict, Path], None]]] = {
+TINY_MODELS: dict[str, tuple[Recipe, Builder]] = {
     "lm": (_lm_recipe, _build_lm),
 }
+# name -> module defining `recipe(seed)` and `build(name, recipe, out)`, imported on first use
+_LAZY_TINY_MODELS = {
+    "qwen3-omni": "omni_core.models.tiny_omni",
+    "sd3": "omni_core.models.tiny_sd3",
+}
+
+
+def tiny_model_names() -> list[str]:
+    """The names `tiny://<name>` accepts."""
+    return sorted({*TINY_MODELS, *_LAZY_TINY_MODELS})
+
+
+def _recipe_and_builder(name: str) -> tuple[Recipe, Builder]:
+    if name in TINY_MODELS:
+        return TINY_MODELS[name]
+    if name in _LAZY_TINY_MODELS:
+        module = importlib.import_module(_LAZY_TINY_MODELS[name])
+        return module.recipe, module.build
+    raise ModelError(
+        f"unknown built-in model 'tiny://{name}': known ones are "
+        + ", ".join(f"tiny://{n}" for n in tiny_model_names())
+    )
 
 
 def cache_root() -> Path:
@@ -299,18 +356,13 @@ def cache_root() -> Path:
 def tiny_model_dir(name: str = "lm", *, seed: int = 0, cache_dir: str | Path | None = None) -> Path:
     """Return the directory of built-in tiny model `name`, building it on first use.
 
-    The directory is `<cache>/tiny/<name>-<recipe digest>/`, a `save_pretrained` directory that
-    `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained(..., local_files_only=True)` load.
+    The directory is `<cache>/tiny/<name>-<recipe digest>/`: a `save_pretrained` directory (for
+    `tiny://sd3`, one folder per component), which `omni_core.models.load_model` loads.
     """
-    if name not in TINY_MODELS:
-        raise ModelError(
-            f"unknown built-in model 'tiny://{name}': known ones are "
-            + ", ".join(f"tiny://{n}" for n in sorted(TINY_MODELS))
-        )
-    make_recipe, build = TINY_MODELS[name]
+    make_recipe, build = _recipe_and_builder(name)
     recipe = make_recipe(seed)
     root = (Path(cache_dir) if cache_dir is not None else cache_root()) / "tiny"
-    final = root / f"{name}-{_digest(recipe)}"
+    final = root / f"{name}-{digest(recipe)}"
     if final.is_dir():
         return final
     root.mkdir(parents=True, exist_ok=True)
