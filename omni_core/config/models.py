@@ -73,6 +73,10 @@ class TrainerConfig(Strict):
     lr: float = Field(1e-4, gt=0)
     max_grad_norm: float = Field(1.0, gt=0)
     max_prompt_tokens: int = Field(256, ge=8)
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch (verl actor.ppo_epochs).")
+    ppo_mini_batch_size: int | None = Field(
+        None, ge=1, description="Prompts per optimizer step within a pass (with their n responses); "
+                                "default: the whole batch, one step per pass.")
 
 
 class RLStage(StageBase):

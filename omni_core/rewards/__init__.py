@@ -6,6 +6,7 @@ with "score" (registry.py); for image rewards `solution_str` is the image (image
 
 | name                 | data_source          | module   |
 | -------------------- | -------------------- | -------- |
+| digits               | digits_rotate        | digits   |
 | gsm8k                | openai/gsm8k         | gsm8k    |
 | mmk12                | mmk12                | mmk12    |
 | choice               | avqa_r1_6k           | choice   |
@@ -14,7 +15,7 @@ with "score" (registry.py); for image rewards `solution_str` is the image (image
 | default              | (dispatches by data_source)    |
 """
 
-from omni_core.rewards import choice, gsm8k, jpeg, mmk12, ocr  # noqa: F401  (register the rewards)
+from omni_core.rewards import choice, digits, gsm8k, jpeg, mmk12, ocr  # noqa: F401  (register the rewards)
 from omni_core.rewards.batch import resolve_reward, score_batch
 from omni_core.rewards.math_verify_pool import configure_math_verify, math_verify_score, shutdown_math_verify
 from omni_core.rewards.registry import (

@@ -1,0 +1,239 @@
+"""Reusable pieces of an autoregressive RL step: rollout, reward, reference/old log-probs, update.
+
+Each function does one thing on plain torch + transformers objects, so a trainer (the GRPO loop,
+the SFT loop, a Ray actor, a notebook) reads as a short composition of them:
+
+    batch      = generate_rollouts(model, tokenizer, encode_prompts(...), n=..., sampling=..., seed=...)
+    rewards    = score_rollouts(rows, batch, reward, n)
+    advantages = grpo_advantages(rewards, batch.group_ids, scale=...)
+    old_logp   = rollout_logprobs(model, batch, temperature)           # behaviour policy, no grad
+    ref_logp   = rollout_logprobs(reference, batch, temperature)       # frozen reference (k3 KL)
+    metrics    = policy_update(model, optimizer, batch, old_logp, advantages, ref_logp, loss_fn, ...)
+
+`policy_update` runs `ppo_epochs` passes over the batch in shuffled mini-batches of whole prompt
+groups, one optimizer step each, so after the first step the ratio logp/old_logp moves away from 1
+and the clip acts (as verl's `ppo_epochs` / `ppo_mini_batch_size`). Randomness comes only from the
+seeds passed in: same seed, same numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from omni_core.models import sequence_logprobs
+from omni_core.rewards import score_batch
+
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: Tensor  # [B, P + R], prompts left-padded, responses right-padded
+    attention_mask: Tensor  # [B, P + R]
+    response_mask: Tensor  # [B, P + R]: 1 on response tokens up to and including EOS
+    responses: list[str]
+    group_ids: Tensor  # [B]: which prompt each response answers
+
+    def select(self, index: Tensor) -> RolloutBatch:
+        """The rows `index` (a 1-D long tensor) of the batch."""
+        return RolloutBatch(self.input_ids[index], self.attention_mask[index], self.response_mask[index],
+                            [self.responses[i] for i in index.tolist()], self.group_ids[index])
+
+
+class PromptCursor:
+    """Deterministic data order: a fresh seeded permutation per epoch; batch k depends only on k."""
+
+    def __init__(self, num_rows: int, seed: int):
+        self.num_rows, self.seed = num_rows, seed
+
+    def batch(self, step: int, batch_size: int) -> list[int]:
+        out = []
+        for position in range(step * batch_size, (step + 1) * batch_size):
+            epoch, offset = divmod(position, self.num_rows)
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            out.append(int(torch.randperm(self.num_rows, generator=generator)[offset]))
+        return out
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How responses are drawn: `greedy` ignores temperature and top_p."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    greedy: bool = False
+
+
+def encode_prompts(tokenizer: Any, rows: Sequence[dict[str, Any]], max_prompt_tokens: int) -> list[list[int]]:
+    """Chat-template token ids of each row's `prompt` messages, with the generation prompt.
+
+    Longer prompts keep their last `max_prompt_tokens` tokens: the question's tail and the
+    assistant header.
+    """
+    encoded = []
+    for row in rows:
+        ids = tokenizer.apply_chat_template(list(row["prompt"]), add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
+            ids = ids["input_ids"]
+        encoded.append(list(ids)[-max_prompt_tokens:])
+    return encoded
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """(ids [B, W], attention mask [B, W]) with every sequence right-aligned."""
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long)
+    return ids, mask
+
+
+@torch.no_grad()
+def generate_rollouts(model: torch.nn.Module, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], *, n: int,
+                      sampling: Sampling, seed: int) -> RolloutBatch:
+    """`n` responses per prompt with HF `generate`; sampling noise depends on `seed` only.
+
+    The response mask covers every token up to and including the first EOS (generate pads after it).
+    The model is put back in the train/eval mode it had.
+    """
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    repeated = [ids for ids in prompt_ids for _ in range(n)]
+    input_ids, attention = left_pad(repeated, pad)
+    width = input_ids.shape[1]
+    options: dict[str, Any] = ({"do_sample": False} if sampling.greedy else
+                               {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                                "top_k": 0})
+    was_training = model.training
+    model.eval()
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG as it was
+        torch.manual_seed(seed)
+        out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=sampling.max_new_tokens,
+                             pad_token_id=pad, eos_token_id=eos, **options)
+    model.train(was_training)
+    response = out[:, width:]
+    is_eos = (response == eos).int()
+    after_eos = (torch.cumsum(is_eos, dim=1) - is_eos) > 0
+    response_mask = (~after_eos).long()
+    texts = tokenizer.batch_decode(response * response_mask + pad * (1 - response_mask), skip_special_tokens=True)
+    return RolloutBatch(
+        input_ids=out,
+        attention_mask=torch.cat([attention, response_mask], dim=1),
+        response_mask=torch.cat([torch.zeros_like(attention), response_mask], dim=1),
+        responses=texts,
+        group_ids=torch.arange(len(prompt_ids)).repeat_interleave(n),
+    )
+
+
+def score_rollouts(rows: Sequence[dict[str, Any]], responses: Sequence[str], reward: str | None, n: int,
+                   ) -> list[dict[str, Any]]:
+    """verl's reward call per response (keyword arguments data_source, solution_str, ground_truth,
+    extra_info); response i answers row i // n. `reward=None` dispatches by each row's data_source."""
+    items = [{"data_source": rows[i // n].get("data_source", ""), "solution_str": text,
+              "ground_truth": rows[i // n]["reward_model"]["ground_truth"],
+              "extra_info": rows[i // n].get("extra_info")}
+             for i, text in enumerate(responses)]
+    return score_batch(items, reward)
+
+
+def rollout_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> Tensor:
+    """Per-token log-probs [B, T] of the batch's response tokens under `model` (0 elsewhere)."""
+    return sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
+                             temperature=temperature)
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A reference policy: a deep copy in eval mode with no trainable parameters."""
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.01) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (torch's defaults otherwise)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: Tensor,
+                   max_grad_norm: float) -> float:
+    """zero_grad, backward, clip the global grad norm to `max_grad_norm`, step; returns the norm before
+    clipping."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    return float(grad_norm)
+
+
+def minibatches(group_ids: Tensor, groups_per_minibatch: int | None, generator: torch.Generator) -> list[Tensor]:
+    """Row indices of each mini-batch: whole groups (prompts), shuffled by `generator`.
+
+    `groups_per_minibatch=None` (or >= the number of groups) gives one mini-batch of every row, in
+    order.
+    """
+    groups = torch.unique(group_ids)
+    if groups_per_minibatch is None or groups_per_minibatch >= len(groups):
+        return [torch.arange(len(group_ids))]
+    order = groups[torch.randperm(len(groups), generator=generator)]
+    out = []
+    for start in range(0, len(order), groups_per_minibatch):
+        chosen = order[start:start + groups_per_minibatch]
+        out.append(torch.nonzero(torch.isin(group_ids, chosen)).squeeze(-1))
+    return out
+
+
+def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, *,
+                  old_logp: Tensor, advantages: Tensor, loss_fn: PolicyLossFn, loss_kwargs: dict[str, Any],
+                  ref_logp: Tensor | None = None, kl_beta: float = 0.0, temperature: float = 1.0,
+                  ppo_epochs: int = 1, groups_per_minibatch: int | None = None, max_grad_norm: float = 1.0,
+                  seed: int = 0) -> dict[str, float]:
+    """`ppo_epochs` passes over the batch in mini-batches of whole groups, one optimizer step each.
+
+    Returns the loss metrics (verl names) and `actor/grad_norm` averaged over the optimizer steps.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    mask = batch.response_mask.float()
+    history: dict[str, list[float]] = {}
+    for _ in range(ppo_epochs):
+        for index in minibatches(batch.group_ids, groups_per_minibatch, generator):
+            mb = batch.select(index)
+            logp = rollout_logprobs(model, mb, temperature)
+            extra = {} if ref_logp is None else {"ref_logp": ref_logp[index], "beta": kl_beta}
+            loss, metrics = loss_fn(logp, old_logp[index], advantages[index], mask[index], **loss_kwargs, **extra)
+            metrics["actor/grad_norm"] = optimizer_step(model, optimizer, loss, max_grad_norm)
+            for key, value in metrics.items():
+                history.setdefault(key, []).append(value)
+    return {key: sum(values) / len(values) for key, values in history.items()}
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], *, reward: str | None = None,
+             sampling: Sampling | None = None, n: int = 1, max_prompt_tokens: int = 256, batch_size: int = 64,
+             seed: int = 0) -> dict[str, float]:
+    """Mean reward of `n` responses per row (greedy unless `sampling` says otherwise), verl's val names:
+    `val/reward_mean` and `val-core/{data_source}/reward/mean@{n}` per data source.
+
+    The sampling noise depends on `seed` only, so evaluating two checkpoints with the same seed
+    compares them on the same random numbers.
+    """
+    sampling = sampling or Sampling(greedy=True)
+    scores: list[float] = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        batch = generate_rollouts(model, tokenizer, encode_prompts(tokenizer, chunk, max_prompt_tokens), n=n,
+                                  sampling=sampling, seed=seed + start)
+        scores += [r["score"] for r in score_rollouts(chunk, batch.responses, reward, n)]
+    out = {"val/reward_mean": sum(scores) / max(len(scores), 1)}
+    by_source: dict[str, list[float]] = {}
+    for i, score in enumerate(scores):
+        by_source.setdefault(rows[i // n].get("data_source", ""), []).append(score)
+    for source, values in by_source.items():
+        out[f"val-core/{source}/reward/mean@{n}"] = sum(values) / len(values)
+    return out
