@@ -1,0 +1,313 @@
+"""Preference training (DPO, MPO) on verl preference rows: components and a small trainer.
+
+A step, composed from the pieces below (formulas in `omni_core.algorithms.preference`):
+
+    rows    = [train_rows[i] for i in sampler.batch(step)]          # one modality per batch
+    batch   = encode_pairs(text_io, rows)                            # chosen rows, then rejected rows
+    ref     = reference_logps(model, reference, batch, average)      # frozen copy, or LoRA disabled
+    policy  = pair_logps(model, batch, average)
+    loss, m = preference_step_loss(policy, ref, config)              # dpo: one loss_type; mpo: a list
+    m["actor/grad_norm"] = optimizer_step(model, optimizer, loss, max_grad_norm)
+
+`text_io` is a tokenizer (text-only: the `<image>`-style markers are dropped from the prompt) or a
+Qwen3-Omni processor (the row's images and audio go through it beside the text). Chosen and
+rejected responses share one forward: rows `[c_0..c_{B-1}, r_0..r_{B-1}]`.
+
+Metric names are VeRL-Omni's: `actor/dpo_loss` (or `actor/mpo_loss` with `actor/{type}_loss` per
+term), `actor/reward_accuracy`, `actor/chosen_rewards`, `actor/rejected_rewards`,
+`actor/reward_margin`; validation `val/{name}` over all held-out pairs and `val/{modality}/{name}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor
+
+from omni_core.algorithms.preference import (
+    MPO_LOSS_TYPES,
+    MPO_LOSS_WEIGHTS,
+    SFT,
+    get_preference_loss,
+    preference_loss,
+    sequence_logps,
+    sft_loss,
+)
+from omni_core.errors import ModelError
+from omni_core.models import token_logprobs
+from omni_core.models.omni_processor import decode_wav, media_messages
+from omni_core.training.components import build_optimizer, frozen_copy, optimizer_step
+from omni_core.training.sampler import ModalityGroupedSampler, row_modality, validation_batches
+
+Row = Mapping[str, Any]
+VAL_METRICS = ("reward_accuracy", "reward_margin", "chosen_rewards", "rejected_rewards")
+_MARKER = re.compile(r"<(image|audio|video)>")
+
+
+class PreferenceConfig(BaseModel):
+    """Hyper-parameters of a DPO/MPO stage (VeRL-Omni's `actor.omni_loss` names where they exist)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    loss_mode: Literal["dpo", "mpo"] = "dpo"
+    loss_type: str | list[str] | None = Field(
+        None, description="dpo: sigmoid | ipo | bco_pair (default sigmoid); mpo: a list (default sigmoid, bco_pair, sft)")
+    loss_weights: list[float] | None = Field(None, description="mpo only; default 0.8, 0.2, 1.0")
+    beta: float = Field(0.1, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    average_log_prob: bool = Field(False, description="length-normalised sequence log-probs")
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    batch_size: int = Field(8, ge=1, description="Preference pairs per step.")
+    total_steps: int = Field(100, ge=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+    val_batch_size: int = Field(32, ge=1)
+    modality_weights: dict[str, float] | None = Field(
+        None, description="Chance of each modality per training batch; absent modalities weigh 1.")
+
+    @model_validator(mode="after")
+    def _check_losses(self) -> PreferenceConfig:
+        types, weights = self.loss_types, self.weights
+        if len(types) != len(weights):
+            raise ValueError(f"{len(types)} loss types but {len(weights)} loss_weights; give one weight each")
+        for name in types:
+            if name != SFT:
+                get_preference_loss(name)  # ConfigError naming the known types
+        if self.loss_mode == "dpo" and (len(types) != 1 or types[0] == SFT):
+            raise ValueError(f"loss_mode dpo takes one pairwise loss_type (sigmoid, ipo, bco_pair), not {types}")
+        return self
+
+    @property
+    def loss_types(self) -> list[str]:
+        if self.loss_type is None:
+            return ["sigmoid"] if self.loss_mode == "dpo" else list(MPO_LOSS_TYPES)
+        return [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
+
+    @property
+    def weights(self) -> list[float]:
+        if self.loss_weights is not None:
+            return list(self.loss_weights)
+        if self.loss_mode == "mpo" and self.loss_type is None:
+            return list(MPO_LOSS_WEIGHTS)
+        return [1.0] * len(self.loss_types)
+
+
+# ---- encoding ------------------------------------------------------------------------------------
+
+
+@dataclass
+class PairBatch:
+    """Chosen and rejected sequences of B pairs: rows 0..B-1 chosen, B..2B-1 rejected."""
+
+    inputs: dict[str, Tensor]  # model forward kwargs: input_ids, attention_mask (+ position_ids or media)
+    response_mask: Tensor  # [2B, T]: 1 on the response tokens and the closing EOS
+    modalities: list[str]  # per pair
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self.modalities)
+
+
+def _messages(row: Row, multimodal: bool) -> list[dict[str, Any]]:
+    """Chat messages of the row's prompt: typed media parts for a processor, markers dropped otherwise."""
+    messages = [dict(m) for m in row["prompt"]]
+    if multimodal:
+        return media_messages(messages)
+    return [{**m, "content": _MARKER.sub("", m["content"])} for m in messages]
+
+
+def _media(rows: Sequence[Row]) -> dict[str, list[Any]]:
+    """The rows' images (PIL) and audio (16 kHz float arrays), in row order; videos are refused."""
+    from PIL import Image
+
+    images, audio = [], []
+    for row in rows:
+        if row.get("videos"):
+            raise ModelError("video inputs are not supported by the native preference trainer (no video decoder "
+                             "here); give video weight 0 in modality_weights or train text-only on a tokenizer")
+        images += [Image.open(io.BytesIO(m["bytes"])).convert("RGB") for m in row.get("images") or []]
+        audio += [decode_wav(m["bytes"]) for m in row.get("audios") or []]
+    return {k: v for k, v in (("images", images), ("audio", audio)) if v}
+
+
+def encode_pairs(text_io: Any, rows: Sequence[Row]) -> PairBatch:
+    """Chat-template prompt + response + EOS for the chosen and the rejected answer of each row.
+
+    `text_io` is a tokenizer (prompts without media markers) or a multimodal processor (media
+    markers become the model's media tokens and the row's images/audio are processed with them).
+    """
+    tokenizer = getattr(text_io, "tokenizer", text_io)
+    multimodal = text_io is not tokenizer
+    prompts = [text_io.apply_chat_template(_messages(row, multimodal), add_generation_prompt=True, tokenize=False)
+               for row in rows]
+    answers = [row["chosen"]["content"] for row in rows] + [row["rejected"]["content"] for row in rows]
+    texts = [p + a + tokenizer.eos_token for p, a in zip(prompts + prompts, answers, strict=True)]
+    if multimodal:
+        inputs = dict(text_io(text=texts, padding=True, return_tensors="pt", **_media(list(rows) * 2)))
+    else:
+        inputs = dict(tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False))
+        inputs["position_ids"] = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding
+    ids, attention = inputs["input_ids"], inputs["attention_mask"]
+    answer_ids = [tokenizer(a + tokenizer.eos_token, add_special_tokens=False)["input_ids"] for a in answers]
+    lengths = torch.tensor([len(a) for a in answer_ids]).unsqueeze(-1)
+    remaining = attention.sum(-1, keepdim=True) - attention.cumsum(-1)  # attended tokens after each position
+    response_mask = (attention.bool() & (remaining < lengths)).long()
+    for row, expected in enumerate(answer_ids):  # the response must tokenize the same after its prompt
+        if ids[row][response_mask[row].bool()].tolist() != expected:
+            raise ValueError(f"response {answers[row]!r} tokenizes differently after its prompt")
+    return PairBatch(inputs, response_mask, [row_modality(row) for row in rows])
+
+
+# ---- log-probs -----------------------------------------------------------------------------------
+
+
+@dataclass
+class PairLogps:
+    chosen: Tensor  # [B] sequence log-probs (sum, or mean with average_log_prob)
+    rejected: Tensor  # [B]
+    chosen_tokens: Tensor  # [B, T] per-token log-probs of the chosen responses (0 off the mask)
+    chosen_mask: Tensor  # [B, T]
+
+
+def pair_logps(model: torch.nn.Module, batch: PairBatch, average: bool = False) -> PairLogps:
+    """Log-probs of the chosen and rejected responses given their prompts (with gradient)."""
+    logits = model(**batch.inputs).logits
+    tokens = token_logprobs(logits, batch.inputs["input_ids"]) * batch.response_mask
+    seq = sequence_logps(tokens, batch.response_mask, average=average)
+    b = batch.num_pairs
+    return PairLogps(seq[:b], seq[b:], tokens[:b], batch.response_mask[:b])
+
+
+@contextlib.contextmanager
+def _adapter_disabled(model: Any) -> Iterator[None]:
+    if not hasattr(model, "disable_adapter"):
+        raise ModelError("no reference model given and the policy has no LoRA adapter to disable; "
+                         "pass reference=frozen_copy(model) for full fine-tuning")
+    with model.disable_adapter():
+        yield
+
+
+@torch.no_grad()
+def reference_logps(model: torch.nn.Module, reference: torch.nn.Module | None, batch: PairBatch,
+                    average: bool = False) -> PairLogps:
+    """Log-probs under the frozen reference: `reference` itself, or (None) the policy with its LoRA
+    adapter disabled, i.e. the base weights. Eval mode; the policy's train/eval mode is restored."""
+    target = model if reference is None else reference
+    was_training = target.training
+    target.eval()
+    try:
+        with _adapter_disabled(model) if reference is None else contextlib.nullcontext():
+            return pair_logps(target, batch, average)
+    finally:
+        target.train(was_training)
+
+
+def make_reference(model: torch.nn.Module) -> torch.nn.Module | None:
+    """None for a LoRA (peft) policy (the reference is the adapter-disabled base), else a frozen copy."""
+    return None if hasattr(model, "disable_adapter") else frozen_copy(model)
+
+
+# ---- loss and metrics ----------------------------------------------------------------------------
+
+
+def preference_step_loss(policy: PairLogps, ref: PairLogps, config: PreferenceConfig,
+                         prefix: str = "actor/") -> tuple[Tensor, dict[str, float]]:
+    """The loss `config` asks for and its metrics, keys prefixed (`actor/dpo_loss`, ...)."""
+    types = config.loss_types
+    nll = sft_loss(policy.chosen_tokens, policy.chosen_mask) if SFT in types else None
+    loss, metrics = preference_loss(
+        policy.chosen, policy.rejected, ref.chosen, ref.rejected, loss_types=types, loss_weights=config.weights,
+        beta=config.beta, label_smoothing=config.label_smoothing, nll=nll, name=f"{config.loss_mode}_loss")
+    return loss, {prefix + k: v for k, v in metrics.items()}
+
+
+class WeightedMeans:
+    """Pair-weighted means of batch metrics, overall and per modality (VeRL-Omni's GroupedMetricMean)."""
+
+    def __init__(self, keys: Sequence[str]):
+        self.keys = list(keys)
+        self.sums: dict[str, dict[str, float]] = {}
+        self.counts: dict[str, int] = {}
+
+    def update(self, metrics: Mapping[str, float], weight: int, group: str) -> None:
+        for name in ("", group):
+            sums = self.sums.setdefault(name, dict.fromkeys(self.keys, 0.0))
+            for key in self.keys:
+                sums[key] += metrics[key] * weight
+            self.counts[name] = self.counts.get(name, 0) + weight
+
+    def result(self, prefix: str) -> dict[str, float]:
+        out = {}
+        for name in sorted(self.sums):
+            scope = f"{prefix}/{name}" if name else prefix
+            out.update({f"{scope}/{k}": v / self.counts[name] for k, v in self.sums[name].items()})
+        return out
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+
+def read_split(store: Any, version: Any, split: str) -> list[dict[str, Any]]:
+    """Every row of one split of an ingested dataset version (`ingest(...)`'s result), as dicts."""
+    import pyarrow.parquet as pq
+
+    rows: list[dict[str, Any]] = []
+    for key in version.shard_keys(split):
+        with store.open_read(key) as f:
+            rows += pq.read_table(f).to_pylist()
+    return rows
+
+
+# ---- trainer -------------------------------------------------------------------------------------
+
+
+class PreferenceTrainer:
+    """DPO/MPO on preference rows: `step()` trains on one single-modality batch; `validate()` scores
+    every held-out pair. With `reference=None` the reference is `make_reference(model)`."""
+
+    def __init__(self, model: torch.nn.Module, text_io: Any, train_rows: Sequence[Row], config: PreferenceConfig,
+                 *, seed: int, reference: torch.nn.Module | None = None):
+        self.model, self.text_io, self.config = model, text_io, config
+        self.train_rows = list(train_rows)
+        self.reference = reference if reference is not None else make_reference(model)
+        self.model.train()
+        self.optimizer = build_optimizer(model, config.lr, weight_decay=config.weight_decay)
+        self.sampler = ModalityGroupedSampler([row_modality(r) for r in self.train_rows], config.batch_size,
+                                              seed=seed, weights=config.modality_weights)
+        self.global_step = 0
+
+    def step(self) -> dict[str, float]:
+        rows = [self.train_rows[i] for i in self.sampler.batch(self.global_step)]
+        batch = encode_pairs(self.text_io, rows)
+        average = self.config.average_log_prob
+        ref = reference_logps(self.model, self.reference, batch, average)
+        loss, metrics = preference_step_loss(pair_logps(self.model, batch, average), ref, self.config)
+        metrics["actor/grad_norm"] = optimizer_step(self.model, self.optimizer, loss, self.config.max_grad_norm)
+        metrics["actor/lr"] = self.config.lr
+        self.global_step += 1
+        return metrics
+
+    @torch.no_grad()
+    def validate(self, rows: Sequence[Row]) -> dict[str, float]:
+        """`val/{metric}` over all pairs and `val/{modality}/{metric}`, the loss included."""
+        loss_key = f"{self.config.loss_mode}_loss"
+        means = WeightedMeans([loss_key, *VAL_METRICS])
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for index in validation_batches([row_modality(r) for r in rows], self.config.val_batch_size):
+                batch = encode_pairs(self.text_io, [rows[i] for i in index])
+                average = self.config.average_log_prob
+                ref = reference_logps(self.model, self.reference, batch, average)
+                _, metrics = preference_step_loss(pair_logps(self.model, batch, average), ref, self.config, "")
+                means.update(metrics, batch.num_pairs, batch.modalities[0])
+        finally:
+            self.model.train(was_training)
+        return means.result("val")
