@@ -55,7 +55,7 @@ def test_override_by_stage_index_and_list_values() -> None:
         ("stages.rl.trainer.total_steps=many", "stages.rl.trainer.total_steps: Input should be a valid integer"),
         ("stages.rl.trainer.total_step=3", "stages.rl.trainer.total_step: unknown key"),
         ("stages.rl.after=[nowhere]", "stages.rl.after: 'nowhere' is not a stage"),
-        ("stages.rl.data=mmk12", "stages.rl.data: 'mmk12' is not under datasets"),
+        ("stages.rl.data=avqa", "stages.rl.data: 'avqa' is not under datasets"),
         ("stages.ingest.kind=train", "stages.ingest.kind: unknown stage kind 'train'"),
         ("stages.rl.algorithm.loss_agg_mode=mean", "stages.rl.algorithm.loss_agg_mode: Input should be"),
         ("stages.ingest.after=[rl]", "stages: after: dependencies form a cycle"),
