@@ -4,7 +4,7 @@
 
 grpo/gspo: `omni_core.training.learning` (SFT warm start on the digit-reversal fixture, then RL on
 `tiny://lm`), held-out mean reward sampled at temperature 1 (and greedy) every few steps. Prints
-start, end and gain per algorithm, CPU seconds, and writes `bench/out/learning_<algo>.png`.
+start, end and gain per algorithm, CPU seconds, and writes `bench/out/learning_<algo>[_seed<N>].png`.
 
 Adding an algorithm: write a function `(quick: bool, seed: int) -> BenchCurve` and decorate it with
 `@bench_run("name")`; `--algo name` and `--algo all` then run it, plot it and report it.
@@ -141,7 +141,7 @@ def main() -> None:
     figures: dict[str, Any] = {"quick": args.quick, "seed": args.seed}
     for name in BENCH_RUNS if args.algo == "all" else [args.algo]:
         curve = BENCH_RUNS[name](args.quick, args.seed)
-        path = OUT / f"learning_{name}.png"
+        path = OUT / (f"learning_{name}.png" if args.seed == 0 else f"learning_{name}_seed{args.seed}.png")
         plot(curve, path)
         fig = curve.figures()
         figures[name] = fig

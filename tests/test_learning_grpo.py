@@ -18,7 +18,7 @@ import torch
 from omni_core.algorithms import get_policy_loss, grpo_advantages
 from omni_core.config import RLStage
 from omni_core.config.models import TrainerConfig
-from omni_core.data import write_fixture
+from omni_core.data import RowRejected, write_fixture
 from omni_core.data.digits import DigitsConverter
 from omni_core.data.sources import resolve_source
 from omni_core.rewards import default_compute_score
@@ -92,9 +92,9 @@ def test_digits_fixture_splits_are_disjoint_and_bad_rows_are_rejected(tmp_path) 
         try:
             converter.convert(record, "train", i, raw)
             outcomes.append("ok")
-        except Exception as exc:  # RowRejected
-            outcomes.append(type(exc).__name__)
-    assert outcomes.count("ok") == 8 and outcomes.count("RowRejected") == 3
+        except RowRejected:
+            outcomes.append("rejected")
+    assert outcomes.count("ok") == 8 and outcomes.count("rejected") == 3
 
 
 @pytest.mark.parametrize(("answer", "score"), [

@@ -17,6 +17,7 @@ curves and the same weights.
 from __future__ import annotations
 
 import copy
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,8 +159,6 @@ def learning_curve(algorithm: str, setup: LearningSetup, model: Any, tokenizer: 
 
 def state_digest(model: torch.nn.Module) -> str:
     """A digest of the weights, to compare runs."""
-    import hashlib
-
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())
