@@ -1,0 +1,410 @@
+"""FlowGRPO on a text-to-image rectified-flow model (`SD3Model`): rollout, reward, advantages, update.
+
+The components, each one thing on plain torch objects (formulas in `omni_core.algorithms.flow_grpo`):
+
+    batch      = rollout(model, prompts, seeds, num_steps=10, noise_level=0.7, guidance_scale=4.5)
+    rewards    = score_images(batch.images, rows, reward)
+    advantages = flow_grpo_advantages(rewards, batch.group_ids, std="group", clip=5.0)
+    metrics    = policy_update(model, optimizer, batch, advantages, config, generator=g, frozen_reference=None)
+
+`FlowGRPOTrainer.step()` composes them (prompt rows and a seed in, verl-named metrics out).
+
+- The rollout runs the SDE sampler and records, per denoising step j, the latent before it
+  (`latents[:, j]`), after it (`latents[:, j + 1]`), the step's log-prob and mean. Those log-probs are
+  the old (behaviour-policy) log-probs: the update recomputes each trained step's log-prob of the
+  recorded `latents[:, j + 1]` under the current weights (flow_grpo's `train_sd3.py`).
+- True-CFG (`guidance_scale` != 1): v = v_u + w (v_c - v_u), both branches in one transformer forward
+  over [negative; prompt] embeddings, in the rollout and in the recomputation alike.
+- KL (`kl_beta` > 0): mean((mu_theta - mu_ref)^2) / (2 std_t^2) against the reference policy, which
+  is the same model with its LoRA adapter disabled, or a frozen copy of the starting transformer
+  when the whole transformer is trained.
+- Trained steps: the first int(num_steps * timestep_fraction) denoising steps. Gradients accumulate
+  over them; one optimizer step per mini-batch; `ppo_epochs` passes over the rollout.
+- Evaluation: the deterministic ODE sampler (noise_level 0) with `eval_num_steps` steps.
+- Determinism: every sample draws its initial and per-step noise from its own generator, seeded by
+  `sample_seed(seed, step, index)`; prompt order and mini-batch shuffles come from seeded
+  generators. Same seed: same rewards and same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from omni_core.algorithms.flow_grpo import flow_grpo_advantages, flow_grpo_loss, flow_sde_step
+from omni_core.errors import ConfigError, DataError
+from omni_core.models.diffusion import PromptEmbeds, SD3Model
+from omni_core.rewards import resolve_reward, score_batch
+from omni_core.rewards.registry import RewardFn
+
+__all__ = [
+    "DiffusionRollout",
+    "FlowGRPOConfig",
+    "FlowGRPOTrainer",
+    "policy_update",
+    "prompt_text",
+    "reference_policy",
+    "rollout",
+    "sample_seed",
+    "derive_seed",
+    "score_images",
+    "step_log_prob",
+]
+
+
+class FlowGRPOConfig(BaseModel):
+    """Hyper-parameters of a FlowGRPO stage (defaults: flow_grpo's SD3 OCR recipe where it has one)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # rollout
+    group_size: int = Field(4, ge=1, description="Images per prompt (rollout.n), the advantage group.")
+    prompts_per_step: int = Field(2, ge=1, description="Prompts per step (trainer.batch_size).")
+    num_steps: int = Field(10, ge=1, description="Denoising steps of a training rollout (SDE).")
+    noise_level: float = Field(0.7, gt=0, description="SDE noise level a of the rollout.")
+    sde_type: Literal["sde", "cps"] = "sde"
+    guidance_scale: float = Field(4.5, ge=1.0, description="True-CFG weight w; 1.0 turns CFG off.")
+    negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch.")
+    eval_num_steps: int = Field(40, ge=1, description="Denoising steps of the ODE evaluation.")
+    # algorithm
+    adv_std: Literal["group", "global"] = "group"
+    adv_clip: float = Field(5.0, gt=0)
+    clip_range: float = Field(1e-4, gt=0)
+    kl_beta: float = Field(0.0, ge=0, description="Weight of the KL to the reference (0.04 for OCR).")
+    timestep_fraction: float = Field(1.0, gt=0, le=1, description="Share of the steps trained (the first).")
+    # optimisation
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(1e-4, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout.")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the rollout split evenly).")
+    reward: str = Field("jpeg_compressibility", description="Reward name, data_source or path.py:function.")
+
+    @property
+    def num_train_steps(self) -> int:
+        return max(1, int(self.num_steps * self.timestep_fraction))
+
+
+# ---- rollout ------------------------------------------------------------------------------------
+
+
+@dataclass
+class DiffusionRollout:
+    """Trajectories of a batch of images, everything the update needs to recompute log-probs."""
+
+    prompts: list[str]
+    group_ids: Tensor  # [B]: which prompt each image answers
+    seeds: list[int]  # [B]: the seed of each sample's noise
+    cond: PromptEmbeds  # [B, ...]
+    uncond: PromptEmbeds | None  # [B, ...] when guidance_scale != 1
+    sigmas: Tensor  # [S + 1], from 1 down to 0
+    latents: Tensor  # [B, S + 1, C, H, W]: before step j at [:, j], after it at [:, j + 1]
+    log_probs: Tensor  # [B, S]: behaviour-policy log-prob of each step (nan for an ODE rollout)
+    means: Tensor  # [B, S, C, H, W]: each step's mean
+    guidance_scale: float
+    noise_level: float
+    sde_type: str
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def images(self) -> Tensor:
+        """The final samples [B, C, H, W] in [-1, 1]."""
+        return self.latents[:, -1].clamp(-1, 1)
+
+    def select(self, index: Tensor) -> DiffusionRollout:
+        """The samples `index` (a 1-D long tensor)."""
+        rows = index.tolist()
+
+        def pick(embeds: PromptEmbeds | None) -> PromptEmbeds | None:
+            return None if embeds is None else PromptEmbeds(embeds.embeds[index], embeds.pooled[index])
+
+        return dataclasses.replace(
+            self,
+            prompts=[self.prompts[i] for i in rows],
+            group_ids=self.group_ids[index],
+            seeds=[self.seeds[i] for i in rows],
+            cond=pick(self.cond),
+            uncond=pick(self.uncond),
+            latents=self.latents[index],
+            log_probs=self.log_probs[index],
+            means=self.means[index],
+        )
+
+
+_NOISE, _PROMPTS, _SHUFFLE = 0, 1, 2  # independent seed streams
+
+
+def derive_seed(seed: int, *keys: int) -> int:
+    """A 32-bit seed hashed from `seed` and non-negative `keys` (distinct keys: unrelated streams)."""
+    return int(np.random.SeedSequence([seed, *keys]).generate_state(1)[0])
+
+
+def sample_seed(seed: int, step: int, index: int) -> int:
+    """The noise seed of sample `index` at training step `step`."""
+    return derive_seed(seed, _NOISE, step, index)
+
+
+def _noise(generators: list[torch.Generator], shape: tuple[int, ...], device: torch.device) -> Tensor:
+    return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]).to(device)
+
+
+@torch.no_grad()
+def rollout(
+    model: SD3Model,
+    prompts: Sequence[str],
+    seeds: Sequence[int],
+    *,
+    num_steps: int = 10,
+    noise_level: float = 0.7,
+    guidance_scale: float = 1.0,
+    negative_prompt: str = "",
+    sde_type: str = "sde",
+    group_ids: Tensor | Sequence[int] | None = None,
+) -> DiffusionRollout:
+    """Sample one image per (prompt, seed) and record its trajectory.
+
+    noise_level > 0: the FlowGRPO SDE sampler, with each step's log-prob and mean. noise_level 0:
+    the deterministic Euler (ODE) sampler; log-probs are then undefined (nan).
+    """
+    if len(prompts) != len(seeds):
+        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+    device = model.device
+    generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    shape = (model.channels, model.sample_size, model.sample_size)
+    cond = model.encode_prompt(list(prompts))
+    uncond = model.negative_embeds(len(prompts), negative_prompt) if guidance_scale != 1.0 else None
+    sigmas = model.sigmas(num_steps).to(device)
+    x = _noise(generators, shape, device)
+    latents, log_probs, means = [x], [], []
+    for j in range(num_steps):
+        v = model.velocity(x, sigmas[j], cond, uncond=uncond, guidance_scale=guidance_scale)
+        if noise_level > 0:
+            x, log_prob, mean, _ = flow_sde_step(
+                x, v, sigmas[j], sigmas[j + 1], noise_level, noise=_noise(generators, shape, device),
+                sde_type=sde_type,
+            )
+        else:
+            x = mean = x + (sigmas[j + 1] - sigmas[j]) * v.float()
+            log_prob = torch.full((x.shape[0],), float("nan"), device=device)
+        latents.append(x)
+        log_probs.append(log_prob)
+        means.append(mean)
+    if group_ids is None:
+        group_ids = range(len(prompts))
+    return DiffusionRollout(
+        prompts=list(prompts),
+        group_ids=torch.as_tensor(list(group_ids), dtype=torch.long),
+        seeds=[int(s) for s in seeds],
+        cond=cond,
+        uncond=uncond,
+        sigmas=sigmas,
+        latents=torch.stack(latents, dim=1),
+        log_probs=torch.stack(log_probs, dim=1),
+        means=torch.stack(means, dim=1),
+        guidance_scale=guidance_scale,
+        noise_level=noise_level,
+        sde_type=sde_type,
+    )
+
+
+# ---- reward -------------------------------------------------------------------------------------
+
+
+def prompt_text(row: dict[str, Any] | str) -> str:
+    """The text an SD3 model encodes: a plain prompt, or the last user message of a chat prompt."""
+    if isinstance(row, str):
+        return row
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        return prompt
+    return [m["content"] for m in prompt if m["role"] == "user"][-1]
+
+
+def score_images(
+    images: Tensor, rows: Sequence[dict[str, Any]], reward: str | RewardFn, workers: int = 1
+) -> Tensor:
+    """Rewards [B] (float32) of the images, scored by verl's `compute_score(data_source,
+    solution_str=<uint8 image>, ground_truth, extra_info)`; `rows[i]` is image i's prompt row."""
+    fn = resolve_reward(reward)
+    items = [
+        {
+            "data_source": row.get("data_source", reward if isinstance(reward, str) else "image"),
+            "solution_str": pixels,
+            "ground_truth": (row.get("reward_model") or {}).get("ground_truth"),
+            "extra_info": row.get("extra_info"),
+        }
+        for row, pixels in zip(rows, SD3Model.to_uint8(images), strict=True)
+    ]
+    return torch.tensor([s["score"] for s in score_batch(items, fn, workers)], dtype=torch.float32)
+
+
+# ---- update -------------------------------------------------------------------------------------
+
+
+def step_log_prob(model: SD3Model, batch: DiffusionRollout, j: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(log_prob [B], mean, std_t) of the recorded step j under `model`'s current weights, with the
+    rollout's guidance, noise level and SDE type; gradient flows through the velocity."""
+    x = batch.latents[:, j]
+    v = model.velocity(x, batch.sigmas[j], batch.cond, uncond=batch.uncond, guidance_scale=batch.guidance_scale)
+    _, log_prob, mean, std = flow_sde_step(
+        x, v, batch.sigmas[j], batch.sigmas[j + 1], batch.noise_level,
+        prev_sample=batch.latents[:, j + 1], sde_type=batch.sde_type,  # type: ignore[arg-type]
+    )
+    return log_prob, mean, std
+
+
+@contextmanager
+def reference_policy(model: SD3Model, frozen: torch.nn.Module | None = None) -> Iterator[SD3Model]:
+    """The KL reference: `model` with its LoRA adapter disabled, or `model` with the `frozen`
+    transformer (a copy of the starting weights) when the whole transformer is trained."""
+    if frozen is not None:
+        yield dataclasses.replace(model, transformer=frozen)
+        return
+    if not hasattr(model.transformer, "disable_adapter"):
+        raise ValueError("a KL reference needs a LoRA model or a frozen copy of the transformer")
+    with model.transformer.disable_adapter():
+        yield model
+
+
+def policy_update(
+    model: SD3Model,
+    optimizer: torch.optim.Optimizer,
+    batch: DiffusionRollout,
+    advantages: Tensor,
+    config: FlowGRPOConfig,
+    *,
+    generator: torch.Generator,
+    frozen_reference: torch.nn.Module | None = None,
+) -> dict[str, float]:
+    """`ppo_epochs` passes over the rollout in `mini_batches` shuffled mini-batches; per mini-batch the
+    clipped loss (+ kl_beta * KL) of each trained step, accumulated, then one clipped optimizer step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    steps = range(config.num_train_steps)
+    stats: dict[str, list[float]] = defaultdict(list)
+    model.transformer.train()
+    for _ in range(config.ppo_epochs):
+        order = torch.randperm(len(batch), generator=generator)
+        for index in order.chunk(config.mini_batches):
+            sub, adv = batch.select(index), advantages[index]
+            optimizer.zero_grad(set_to_none=True)
+            for j in steps:
+                log_prob, mean, std = step_log_prob(model, sub, j)
+                ref_mean = None
+                if config.kl_beta > 0:
+                    with torch.no_grad(), reference_policy(model, frozen_reference) as reference:
+                        ref_mean = step_log_prob(reference, sub, j)[1]
+                loss, metrics = flow_grpo_loss(
+                    log_prob, sub.log_probs[:, j], adv, config.clip_range,
+                    mean=mean, ref_mean=ref_mean, std=std, beta=config.kl_beta,
+                )
+                (loss / len(steps)).backward()
+                for name, value in metrics.items():
+                    stats[name].append(value)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+            optimizer.step()
+            stats["actor/grad_norm"].append(float(grad_norm))
+    model.transformer.eval()
+    return {name: float(np.mean(values)) for name, values in stats.items()}
+
+
+# ---- the trainer --------------------------------------------------------------------------------
+
+
+def _prompt_order(step: int, count: int, num_rows: int, seed: int) -> list[int]:
+    """Row indices of step `step`: a fresh seeded permutation of the rows per epoch."""
+    out = []
+    for position in range(step * count, (step + 1) * count):
+        epoch, offset = divmod(position, num_rows)
+        perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(derive_seed(seed, _PROMPTS, epoch)))
+        out.append(int(perm[offset]))
+    return out
+
+
+class FlowGRPOTrainer:
+    """`step()` runs one FlowGRPO step on `model` (trained in place) and returns verl-named metrics;
+    `evaluate()` scores ODE samples of fixed prompts and seeds.
+
+    `rows`: prompt rows (verl RL Parquet rows, e.g. the `ocr` converter's, or `{"prompt": text}`).
+    With LoRA only the adapter trains and the KL reference is the model with the adapter disabled;
+    without it the trainable parameters train and the reference is a frozen copy of the start.
+    """
+
+    def __init__(self, config: FlowGRPOConfig, model: SD3Model, rows: Sequence[dict[str, Any]], seed: int):
+        if not rows:
+            raise DataError("FlowGRPO got no prompt rows; check the stage's dataset and split")
+        self.config, self.model, self.rows, self.seed = config, model, list(rows), seed
+        self.reward = resolve_reward(config.reward)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ConfigError("the model has no trainable parameters; load it with LoRA or unfrozen")
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        is_lora = hasattr(model.transformer, "disable_adapter")
+        self.frozen_reference = None
+        if config.kl_beta > 0 and not is_lora:
+            self.frozen_reference = copy.deepcopy(model.transformer).requires_grad_(False).eval()
+        self.global_step = 0
+
+    def step(self) -> dict[str, float]:
+        cfg, step = self.config, self.global_step
+        start = time.perf_counter()
+        picked = _prompt_order(step, cfg.prompts_per_step, len(self.rows), self.seed)
+        rows = [self.rows[i] for i in picked for _ in range(cfg.group_size)]
+        group_ids = [g for g in range(len(picked)) for _ in range(cfg.group_size)]
+        seeds = [sample_seed(self.seed, step, i) for i in range(len(rows))]
+
+        t = time.perf_counter()
+        batch = rollout(
+            self.model, [prompt_text(r) for r in rows], seeds, num_steps=cfg.num_steps,
+            noise_level=cfg.noise_level, guidance_scale=cfg.guidance_scale,
+            negative_prompt=cfg.negative_prompt, sde_type=cfg.sde_type, group_ids=group_ids,
+        )
+        gen_s, t = time.perf_counter() - t, time.perf_counter()
+        rewards = score_images(batch.images, rows, self.reward)
+        advantages = flow_grpo_advantages(rewards, batch.group_ids, std=cfg.adv_std, clip=cfg.adv_clip)
+        reward_s, t = time.perf_counter() - t, time.perf_counter()
+        shuffle = torch.Generator().manual_seed(derive_seed(self.seed, _SHUFFLE, step))
+        metrics = policy_update(
+            self.model, self.optimizer, batch, advantages, cfg,
+            generator=shuffle, frozen_reference=self.frozen_reference,
+        )
+        update_s = time.perf_counter() - t
+        self.global_step += 1
+        return {
+            "training/global_step": float(self.global_step),
+            "critic/score/mean": rewards.mean().item(),
+            "critic/score/max": rewards.max().item(),
+            "critic/score/min": rewards.min().item(),
+            "critic/rewards/mean": rewards.mean().item(),
+            "critic/advantages/mean": advantages.mean().item(),
+            "critic/advantages/max": advantages.max().item(),
+            "critic/advantages/min": advantages.min().item(),
+            **metrics,
+            "actor/lr": self.optimizer.param_groups[0]["lr"],
+            "timing_s/gen": gen_s,
+            "timing_s/reward": reward_s,
+            "timing_s/update_actor": update_s,
+            "timing_s/step": time.perf_counter() - start,
+        }
+
+    def evaluate(self, rows: Sequence[dict[str, Any]], seeds: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """(rewards [N], images [N, C, H, W]) of ODE samples (noise_level 0, `eval_num_steps` steps,
+        the training guidance) of `rows[i]` with noise seed `seeds[i]`; the weights are untouched."""
+        cfg = self.config
+        batch = rollout(
+            self.model, [prompt_text(r) for r in rows], seeds, num_steps=cfg.eval_num_steps, noise_level=0.0,
+            guidance_scale=cfg.guidance_scale, negative_prompt=cfg.negative_prompt,
+        )
+        return score_images(batch.images, rows, self.reward), batch.images
