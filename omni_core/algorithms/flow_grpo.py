@@ -37,7 +37,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from omni_core.algorithms.grpo import group_index
+from omni_core.algorithms.grpo import group_moments
 from omni_core.errors import ConfigError
 
 SdeType = Literal["sde", "cps"]
@@ -140,21 +140,10 @@ def flow_grpo_advantages(
     """Per-sample FlowGRPO advantages [B] (float32); a group of one gets 0 (formula in module doc)."""
     if std not in STD_MODES:
         raise ConfigError(f"unknown advantage std {std!r}; use one of {', '.join(STD_MODES)}")
-    r = rewards.detach().to(torch.float32).reshape(-1)
-    idx = group_index(group_ids).to(r.device)
-    if idx.numel() != r.numel():
-        raise ValueError(f"rewards has {r.numel()} entries but group_ids has {idx.numel()}")
+    r, idx, count, centered, sum_sq = group_moments(rewards, group_ids)
     if r.numel() == 0:
         return r.clone()
-    n_groups = int(idx.max()) + 1
-    count = torch.zeros(n_groups, device=r.device).index_add_(0, idx, torch.ones_like(r))
-    mean = torch.zeros(n_groups, device=r.device).index_add_(0, idx, r) / count
-    centered = r - mean[idx]
-    if std == "group":
-        var = torch.zeros(n_groups, device=r.device).index_add_(0, idx, centered**2) / count
-        scale = var.sqrt()[idx]
-    else:
-        scale = r.std(correction=0)
+    scale = (sum_sq / count).sqrt()[idx] if std == "group" else r.std(correction=0)  # population std
     adv = centered / (scale + eps)
     return adv.clamp(-clip, clip) if clip is not None else adv
 

@@ -31,6 +31,24 @@ def group_index(group_ids: Tensor | Sequence) -> Tensor:
 
 
 @torch.no_grad()
+def group_moments(rewards: Tensor, group_ids: Tensor | Sequence) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(rewards as float32 [B], group index [B], per-group count [G], rewards minus their group mean [B],
+    per-group sum of squared deviations [G]): what every group-normalised advantage is built from."""
+    r = rewards.detach().to(torch.float32).reshape(-1)
+    idx = group_index(group_ids).to(r.device)
+    if idx.numel() != r.numel():
+        raise ValueError(f"rewards has {r.numel()} entries but group_ids has {idx.numel()}")
+    if r.numel() == 0:
+        empty = r.new_zeros(0)
+        return r, idx, empty, empty, empty
+    n_groups = int(idx.max()) + 1
+    count = torch.zeros(n_groups, device=r.device).index_add_(0, idx, torch.ones_like(r))
+    mean = torch.zeros(n_groups, device=r.device).index_add_(0, idx, r) / count
+    centered = r - mean[idx]
+    sum_sq = torch.zeros(n_groups, device=r.device).index_add_(0, idx, centered**2)
+    return r, idx, count, centered, sum_sq
+
+
 def grpo_advantages(
     rewards: Tensor,
     group_ids: Tensor | Sequence,
@@ -40,19 +58,11 @@ def grpo_advantages(
     """Per-sequence GRPO advantages [B] (float32) for `rewards` [B] grouped by `group_ids` [B]."""
     if scale not in SCALES:
         raise ConfigError(f"unknown advantage scale {scale!r}; use one of {', '.join(SCALES)}")
-    r = rewards.detach().to(torch.float32).reshape(-1)
-    idx = group_index(group_ids).to(r.device)
-    if idx.numel() != r.numel():
-        raise ValueError(f"rewards has {r.numel()} entries but group_ids has {idx.numel()}")
+    r, idx, count, centered, sum_sq = group_moments(rewards, group_ids)
     if r.numel() == 0:
         return r.clone()
-    n_groups = int(idx.max()) + 1
-    count = torch.zeros(n_groups, device=r.device).index_add_(0, idx, torch.ones_like(r))
-    mean = torch.zeros(n_groups, device=r.device).index_add_(0, idx, r) / count
-    centered = r - mean[idx]
     if scale == "group":
-        var = torch.zeros(n_groups, device=r.device).index_add_(0, idx, centered**2)
-        std = (var / (count - 1).clamp(min=1)).sqrt()[idx]
+        std = (sum_sq / (count - 1).clamp(min=1)).sqrt()[idx]
         adv = centered / (std + eps)
     elif scale == "batch":
         adv = centered / (r.std() + eps) if r.numel() > 1 else centered
