@@ -147,6 +147,35 @@ def test_interrupted_write_leaves_previous_version(store: Store, request: pytest
         assert sorted(p.name for p in Path(store.root).iterdir()) == ["obj.bin"]
 
 
+def test_write_path_commits_only_on_success(store: Store, request: pytest.FixtureRequest) -> None:
+    table = pa.table({"id": list(range(1000))})
+    store.write_bytes("t.parquet", b"version 1")
+    with pytest.raises(RuntimeError, match="boom"), store.write_path("t.parquet") as path:
+        pq.write_table(table, path)
+        raise RuntimeError("boom")
+    assert store.read_bytes("t.parquet") == b"version 1"
+    with store.write_path("t.parquet") as path:
+        pq.write_table(table, path)
+        assert store.read_bytes("t.parquet") == b"version 1"  # the new object is not visible yet
+    with store.open_read("t.parquet") as f:
+        assert pq.read_table(f).equals(table)
+    assert store.list() == ["t.parquet"]
+    if _is_s3(store):
+        assert _pending_uploads(request.getfixturevalue("s3_client"), store) == []
+    else:
+        assert sorted(p.name for p in Path(store.root).iterdir()) == ["t.parquet"]  # no temp file left
+
+
+def test_file_digest_matches_hashlib(tmp_path: Path) -> None:
+    from omni_core.storage import file_digest
+
+    data = os.urandom(3 * MiB + 17)
+    (tmp_path / "f.bin").write_bytes(data)
+    assert file_digest(tmp_path / "f.bin") == (len(data), hashlib.sha256(data).hexdigest())
+    (tmp_path / "empty").write_bytes(b"")
+    assert file_digest(tmp_path / "empty") == (0, hashlib.sha256(b"").hexdigest())
+
+
 def test_write_killed_with_the_process_leaves_nothing(store: Store, request: pytest.FixtureRequest) -> None:
     store.write_bytes("obj.bin", b"version 1")
     child = textwrap.dedent(

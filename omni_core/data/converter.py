@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -74,10 +75,55 @@ class Chunk:
     first_index: int
     columns: tuple[str, ...]
 
-    def records(self, raw: RawSource) -> Iterator[RawRecord]:
-        table = pq.ParquetFile(raw.path(self.rel)).read_row_groups(list(self.row_groups), columns=list(self.columns))
-        for offset, record in enumerate(table.to_pylist()):
+    def read(self, raw: RawSource) -> pa.Table:
+        """The chunk's rows as Arrow (pyarrow releases the GIL here, so a thread can read ahead)."""
+        return pq.ParquetFile(raw.path(self.rel)).read_row_groups(list(self.row_groups), columns=list(self.columns))
+
+    def records(self, raw: RawSource, table: pa.Table | None = None) -> Iterator[RawRecord]:
+        """The chunk's records; `table` is its already-read rows, if a reader thread fetched them."""
+        table = self.read(raw) if table is None else table
+        for offset, record in enumerate(table_records(table)):
             yield self.rel, self.first_row + offset, record
+
+
+def _is_binary(t: pa.DataType) -> bool:
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
+def _binary_values(array: pa.Array) -> list[memoryview | None]:
+    """Each value as a slice of the array's data buffer (scalar `as_buffer()` would copy it)."""
+    _, offsets_buffer, data = array.buffers()
+    width = np.int64 if pa.types.is_large_binary(array.type) else np.int32
+    offsets = np.frombuffer(offsets_buffer, dtype=width)[array.offset:array.offset + len(array) + 1].tolist()
+    view = memoryview(data) if data is not None else memoryview(b"")
+    valid = array.is_valid().to_pylist() if array.null_count else [True] * len(array)
+    return [view[offsets[i]:offsets[i + 1]] if valid[i] else None for i in range(len(array))]
+
+
+def table_records(table: pa.Table) -> list[dict[str, Any]]:
+    """`table.to_pylist()`, except that binary values (a binary column, or binary fields of a struct
+    column, as in Hugging Face's Image and Audio features) are memoryviews over Arrow's buffers.
+
+    Media is most of an ingest's bytes; copying each image into a Python bytes object and back into
+    Arrow cost more than the conversion itself, so records borrow the bytes and only the output
+    table copies them (once, into reused Arrow memory).
+    """
+    media = [f.name for f in table.schema
+             if _is_binary(f.type) or (pa.types.is_struct(f.type) and any(_is_binary(c.type) for c in f.type))]
+    records = table.drop_columns(media).to_pylist() if media else table.to_pylist()
+    for name in media:
+        values: list[Any] = []
+        for chunk in table.column(name).chunks:
+            if _is_binary(chunk.type):
+                values += _binary_values(chunk)
+                continue
+            fields = {f.name: (_binary_values(chunk.field(f.name)) if _is_binary(f.type)
+                               else chunk.field(f.name).to_pylist()) for f in chunk.type}
+            valid = chunk.is_valid().to_pylist()
+            values += [{k: v[i] for k, v in fields.items()} if valid[i] else None for i in range(len(chunk))]
+        for record, value in zip(records, values, strict=True):
+            record[name] = value
+    return records
 
 
 def _parquet_file(raw: RawSource, rel: str, columns: list[str]) -> pq.ParquetFile:

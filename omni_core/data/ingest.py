@@ -11,13 +11,15 @@ import base64
 import hashlib
 import json
 import os
+import queue
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
-from contextlib import ExitStack
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -26,7 +28,7 @@ from omni_core.config.models import DatasetConfig
 from omni_core.data.converter import Chunk, Converter, RawRecord, RowRejected, RowSkipped, get_converter
 from omni_core.data.sources import RawSource, resolve_source
 from omni_core.errors import DataError
-from omni_core.storage import Store
+from omni_core.storage import Store, file_digest
 
 MANIFEST = "_manifest.json"
 BATCH_ROWS = 256  # rows per conversion batch and per Parquet row group
@@ -180,11 +182,13 @@ class _Converted:
 Work = Chunk | tuple[int, list[RawRecord]]  # a chunk a worker reads itself, or (first index, records read here)
 
 
-def _convert_work(converter_name: str, raw: RawSource, split: str, work: Work, spill_dir: str | None = None
-                  ) -> _Converted:
-    """Runs in this process or a worker: converters are looked up by name, so nothing unpicklable travels."""
+def _convert_work(converter_name: str, raw: RawSource, split: str, work: Work, spill_dir: str | None = None,
+                  table: pa.Table | None = None) -> _Converted:
+    """Runs in this process or a worker: converters are looked up by name, so nothing unpicklable travels.
+
+    `table` is a Chunk's rows when a reader thread has already read them."""
     converter = get_converter(converter_name)
-    first_index, records = (work.first_index, work.records(raw)) if isinstance(work, Chunk) else work
+    first_index, records = (work.first_index, work.records(raw, table)) if isinstance(work, Chunk) else work
     rows, quarantined = [], []
     read = skipped = 0
     for index, (rel, row, record) in enumerate(records, start=first_index):
@@ -225,8 +229,7 @@ def _converted(converter: Converter, raw: RawSource, split: str, pool: ProcessPo
                spill_dir: str | None) -> Iterator[_Converted]:
     """Results in input order; with a pool, at most 2 units per worker are in flight (bounded memory)."""
     if pool is None:
-        for work in _work(converter, raw, split):
-            yield _convert_work(converter.name, raw, split, work)
+        yield from _converted_here(converter, raw, split)
         return
     window: list[Future] = []
     for work in _work(converter, raw, split):
@@ -237,9 +240,29 @@ def _converted(converter: Converter, raw: RawSource, split: str, pool: ProcessPo
         yield future.result()
 
 
+def _converted_here(converter: Converter, raw: RawSource, split: str) -> Iterator[_Converted]:
+    """In-process conversion; a reader thread reads the next chunk while this one converts (pyarrow
+    reads without the GIL), so at most two chunks are in memory."""
+    with ThreadPoolExecutor(1, thread_name_prefix="omni-ingest-read") as reader:
+        ahead: tuple[Work, Future | None] | None = None
+        for work in _work(converter, raw, split):
+            upcoming = (work, reader.submit(work.read, raw) if isinstance(work, Chunk) else None)
+            if ahead is not None:
+                yield _convert_ahead(converter, raw, split, ahead)
+            ahead = upcoming
+        if ahead is not None:
+            yield _convert_ahead(converter, raw, split, ahead)
+
+
+def _convert_ahead(converter: Converter, raw: RawSource, split: str, ahead: tuple[Work, Future | None]
+                   ) -> _Converted:
+    work, table = ahead
+    return _convert_work(converter.name, raw, split, work, table=None if table is None else table.result())
+
+
 def _raw_json(record: dict[str, Any]) -> str:
     def encode(value: Any) -> Any:
-        if isinstance(value, bytes | bytearray):
+        if isinstance(value, bytes | bytearray | memoryview):
             return {"base64": base64.b64encode(value).decode()}
         return repr(value)
 
@@ -249,44 +272,64 @@ def _raw_json(record: dict[str, Any]) -> str:
 def _write_split(store: Store, prefix: str, split: str, raw: RawSource, converter: Converter, shard_rows: int,
                  quarantined: list[dict[str, Any]], pool: ProcessPoolExecutor | None, spill_dir: str | None
                  ) -> dict[str, Any]:
-    writer = _ShardWriter(store, prefix, split, converter.schema, shard_rows)
+    shards = _ShardWriter(store, prefix, split, converter.schema, shard_rows)
+    writer = _WriterThread(shards)
     read = skipped = 0
     try:
         for result in _converted(converter, raw, split, pool, spill_dir):
             read += result.read
             skipped += result.skipped
             quarantined.extend(result.quarantined)
-            writer.write(result.rows())
-            result.release()
+            writer.write(result.rows(), result.release)
         writer.close()
     except BaseException:
         writer.abort()
         raise
-    rows_written = sum(s["rows"] for s in writer.shards)
+    rows_written = sum(s["rows"] for s in shards.shards)
     return {"read": read, "rows": rows_written, "quarantined": read - rows_written - skipped, "skipped": skipped,
-            "shards": writer.shards}
+            "shards": shards.shards}
 
 
-class _HashingSink:
-    """Passes writes through to the store's file while hashing them, so shards are never read back."""
+class _WriterThread:
+    """Feeds a _ShardWriter from a thread, so encoding, hashing and fsyncing batch k (all of which
+    release the GIL) overlap converting batch k+1. At most `depth` batches wait, which bounds memory.
+    An error in the thread is raised at the next `write` or at `close`."""
 
-    def __init__(self, f: IO[bytes]):
-        self.f, self.digest, self.size = f, hashlib.sha256(), 0
-        self.closed = False
+    def __init__(self, shards: _ShardWriter, depth: int = 2):
+        self.shards = shards
+        self.queue: queue.Queue[tuple[pa.Table, Callable[[], None]] | None] = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="omni-ingest-write", daemon=True)
+        self.thread.start()
 
-    def write(self, data: bytes) -> int:
-        self.digest.update(data)
-        self.size += len(data)
-        return self.f.write(data)
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.error is None:  # after an error, keep draining so the producer never blocks
+                table, done = item
+                try:
+                    self.shards.write(table)
+                    done()
+                except BaseException as exc:  # handed to the producer thread
+                    self.error = exc
 
-    def tell(self) -> int:
-        return self.size
-
-    def flush(self) -> None:
-        self.f.flush()
+    def write(self, table: pa.Table, done: Callable[[], None]) -> None:
+        """Queue `table`; `done()` runs once it is written (it releases the batch's spill file)."""
+        if self.error is not None:
+            raise self.error
+        self.queue.put((table, done))
 
     def close(self) -> None:
-        self.closed = True
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        self.shards.close()
+
+    def abort(self) -> None:
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+        self.shards.abort()
 
 
 class _ShardWriter:
@@ -300,7 +343,7 @@ class _ShardWriter:
         self.shards: list[dict[str, Any]] = []
         self._stack: ExitStack | None = None
         self._writer: pq.ParquetWriter | None = None
-        self._sink: _HashingSink | None = None
+        self._path = ""
         self._key = ""
         self._rows = 0
 
@@ -318,18 +361,22 @@ class _ShardWriter:
     def _open(self) -> None:
         self._key = f"{self.prefix}/{self.split}-{len(self.shards):05d}.parquet"
         self._stack = ExitStack()
-        self._sink = _HashingSink(self._stack.enter_context(self.store.open_write(self._key)))
-        self._writer = pq.ParquetWriter(self._sink, self.schema)
+        self._path = self._stack.enter_context(self.store.write_path(self._key))
+        self._writer = pq.ParquetWriter(self._path, self.schema)  # native file: no copies through Python
 
     def close(self) -> None:
         if self._stack is not None:
-            self._writer.close()  # writes the footer through the hashing sink
-            self._stack.close()  # commits the object under its final name
-            self.shards.append({"key": self._key, "rows": self._rows, "sha256": self._sink.digest.hexdigest(),
-                                "bytes": self._sink.size})
-        self._stack, self._writer, self._sink, self._rows = None, None, None, 0
+            self._writer.close()
+            # Hashed by reading back from the page cache: cheaper than routing every write through Python.
+            size, digest = file_digest(self._path)
+            self._stack.close()  # commits the shard
+            self.shards.append({"key": self._key, "rows": self._rows, "sha256": digest, "bytes": size})
+        self._stack, self._writer, self._rows = None, None, 0
 
     def abort(self) -> None:
         if self._stack is not None:
+            with suppress(Exception):
+                self._writer.close()
             self._stack.__exit__(DataError, DataError("ingest aborted"), None)  # discards the partial shard
-        self._stack, self._writer, self._sink, self._rows = None, None, None, 0
+        self._stack, self._writer, self._rows = None, None, 0
+

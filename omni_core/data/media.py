@@ -22,16 +22,16 @@ MEDIA_LIST = pa.list_(pa.struct([("bytes", pa.binary())]))  # verl's `images` / 
 # ---- validation --------------------------------------------------------------------------------
 
 
-def image_problem(data: bytes | None) -> str | None:
+def image_problem(data: bytes | memoryview | None) -> str | None:
     """Why `data` is not a usable image, or None.
 
     PNG is checked with `verify()`, which checks every chunk's CRC (a truncated or bit-flipped file
     fails) without decoding pixels; other formats have no such checksums, so they are fully decoded.
     """
-    if not data:
+    if data is None or not len(data):
         return "missing image"
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(pa.BufferReader(data)) as img:  # reads `data` in place, without a copy
             if img.format == "PNG":
                 img.verify()
             else:

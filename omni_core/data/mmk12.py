@@ -60,9 +60,12 @@ def parse_options(question: str) -> dict[str, str]:
     return {m.group(1): m.group(2) for m in _OPTION_LINE.finditer(question)}
 
 
-def _image_bytes(field: Any) -> bytes | None:
+def _image_bytes(field: Any) -> bytes | memoryview | None:
+    """The image's bytes, or None; a memoryview (ingest's zero-copy records) is passed through uncopied."""
     if isinstance(field, dict):
         field = field.get("bytes")
+    if isinstance(field, memoryview):
+        return field if field.nbytes else None
     return bytes(field) if isinstance(field, bytes | bytearray) and field else None
 
 

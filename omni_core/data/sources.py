@@ -14,6 +14,7 @@ from urllib.parse import parse_qs, urlparse
 from omni_core.data.fixtures import fixture_names, write_fixture
 from omni_core.errors import DataError
 from omni_core.paths import cache_dir
+from omni_core.storage.digest import file_sha256
 
 
 @dataclass(frozen=True)
@@ -24,14 +25,6 @@ class RawSource:
 
     def path(self, rel: str) -> Path:
         return self.root / rel
-
-
-def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _digest_tree(root: Path) -> dict[str, str]:

@@ -23,6 +23,8 @@ import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -175,6 +177,42 @@ class Store:
             except BaseException:
                 abort()
                 raise
+
+    @contextmanager
+    def write_path(self, key: str) -> Iterator[str]:
+        """A local file path to create ``key`` through, for writers that want a real file (pyarrow's
+        native writer copies nothing through Python); committed, like ``open_write``, only if the
+        with-block exits cleanly.
+
+        Local stores stage next to the final name (fsync + rename); S3 stores stage in a local temp
+        folder and upload on commit.
+        """
+        key = _clean_key(key, empty_ok=False)
+        if self._bucket is None:
+            final = self._path(key)
+            parent, name = os.path.split(final)
+            with self._errors(key):
+                os.makedirs(parent, exist_ok=True)
+            tmp = os.path.join(parent, f".{name[:180]}.tmp-{uuid.uuid4().hex}")
+            try:
+                yield tmp
+                with self._errors(key):
+                    fd = os.open(tmp, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    os.replace(tmp, final)
+                    _fsync_dir(parent)
+            finally:
+                with suppress(FileNotFoundError):
+                    os.remove(tmp)
+            return
+        with tempfile.TemporaryDirectory(prefix="omni-store-") as folder:
+            tmp = os.path.join(folder, "object")
+            yield tmp
+            with open(tmp, "rb") as src, self.open_write(key) as dst:
+                shutil.copyfileobj(src, dst, CHUNK)
 
     def write_bytes(self, key: str, data: bytes) -> None:
         with self.open_write(key) as f:
