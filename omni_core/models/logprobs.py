@@ -1,4 +1,4 @@
-"""Per-token log-probabilities of response tokens under a causal LM."""
+"""Per-token log-probabilities of response tokens under a causal LM (text-only or multimodal)."""
 
 from __future__ import annotations
 
@@ -23,14 +23,22 @@ def sequence_logprobs(
     response_mask: Tensor,
     *,
     temperature: float = 1.0,
+    **model_inputs: Tensor,
 ) -> Tensor:
     """Log-probs of the response tokens, aligned with `input_ids`: a [B, T] float32 tensor.
 
     `out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])` where `response_mask[b, t]` is set, else 0
-    (the first position has no prediction, so it is always 0). Position ids follow the attention
-    mask (`cumsum - 1`), so left-padded prompts get the same positions as unpadded ones.
+    (the first position has no prediction, so it is always 0).
+
+    `model_inputs` are further forward arguments: a multimodal processor's media tensors
+    (`pixel_values`, `image_grid_thw`, `input_features`, `feature_attention_mask`, ...). Without them,
+    position ids follow the attention mask (`cumsum - 1`), so left-padded prompts get the same positions
+    as unpadded ones. With them no position ids are passed: such models (Qwen-VL/Qwen3-Omni's 3-D mrope)
+    compute their own from the ids, the attention mask (left padding included) and the media sizes,
+    as `generate` does; `cumsum - 1` would be wrong for every token from the first image on.
     """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    if not model_inputs:
+        model_inputs = {"position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0)}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, **model_inputs).logits
     logp = token_logprobs(logits, input_ids, temperature)
     return torch.where(response_mask.bool(), logp, torch.zeros_like(logp))

@@ -3,7 +3,8 @@
 Each function does one thing on plain torch + transformers objects, so a trainer (the GRPO loop,
 the SFT loop, a Ray actor, a notebook) reads as a short composition of them:
 
-    batch      = generate_rollouts(model, tokenizer, encode_prompts(...), n=..., sampling=..., seed=...)
+    prompts, media = encode_prompt_inputs(text_io, rows, max_prompt_tokens)
+    batch      = generate_rollouts(model, text_io, prompts, media=media, n=..., sampling=..., seed=...)
     rewards    = score_rollouts(rows, batch, reward, n)
     advantages = grpo_advantages(rewards, batch.group_ids, scale=...)
     old_logp   = rollout_logprobs(model, batch, temperature)           # behaviour policy, no grad
@@ -14,6 +15,11 @@ the SFT loop, a Ray actor, a notebook) reads as a short composition of them:
 groups, one optimizer step each, so after the first step the ratio logp/old_logp moves away from 1
 and the clip acts (as verl's `ppo_epochs` / `ppo_mini_batch_size`). Randomness comes only from the
 seeds passed in: same seed, same numbers.
+
+`text_io` is a tokenizer (text-only causal LM) or a multimodal processor (Qwen3-Omni's thinker): then
+each row's images and audio go through the processor with its prompt, every response row of the batch
+carries its prompt's media tensors (`RolloutBatch.media`), and generation and every log-prob forward
+(old, reference, update) pass them to the model, so the update conditions on the media the rollout saw.
 """
 
 from __future__ import annotations
@@ -28,6 +34,13 @@ from torch import Tensor
 
 from omni_core.models import sequence_logprobs
 from omni_core.rewards import score_batch
+from omni_core.training.multimodal import (
+    collate_media,
+    encode_media_prompts,
+    is_processor,
+    media_token_ids,
+    tokenizer_of,
+)
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
 
@@ -39,11 +52,24 @@ class RolloutBatch:
     response_mask: Tensor  # [B, P + R]: 1 on response tokens up to and including EOS
     responses: list[str]
     group_ids: Tensor  # [B]: which prompt each response answers
+    # Per row, its prompt's media tensors from a multimodal processor (pixel_values, image_grid_thw,
+    # input_features, feature_attention_mask, ...; {} for a text-only prompt); None without a processor.
+    media: list[dict[str, Tensor]] | None = None
+    # [B, P + R] log-probs of the response tokens from the logits `generate` sampled them from
+    # (`generate_rollouts(..., keep_logprobs=True)`; verl's rollout_log_probs), 0 elsewhere.
+    rollout_logp: Tensor | None = None
 
     def select(self, index: Tensor) -> RolloutBatch:
-        """The rows `index` (a 1-D long tensor) of the batch."""
+        """The rows `index` (a 1-D long tensor) of the batch, with their own media."""
+        rows = index.tolist()
         return RolloutBatch(self.input_ids[index], self.attention_mask[index], self.response_mask[index],
-                            [self.responses[i] for i in index.tolist()], self.group_ids[index])
+                            [self.responses[i] for i in rows], self.group_ids[index],
+                            None if self.media is None else [self.media[i] for i in rows],
+                            None if self.rollout_logp is None else self.rollout_logp[index])
+
+    def media_inputs(self) -> dict[str, Tensor]:
+        """The rows' media collated for one forward (`collate_media`); {} without media."""
+        return {} if self.media is None else collate_media(self.media)
 
 
 class PromptCursor:
@@ -86,6 +112,16 @@ def encode_prompts(tokenizer: Any, rows: Sequence[dict[str, Any]], max_prompt_to
     return encoded
 
 
+def encode_prompt_inputs(text_io: Any, rows: Sequence[dict[str, Any]], max_prompt_tokens: int,
+                         ) -> tuple[list[list[int]], list[dict[str, Tensor]] | None]:
+    """(prompt token ids, per-prompt media tensors) for `generate_rollouts`: with a tokenizer,
+    `encode_prompts` and None; with a multimodal processor, each row's prompt and its own images and
+    audio through the processor (`omni_core.training.multimodal.encode_media_prompts`)."""
+    if is_processor(text_io):
+        return encode_media_prompts(text_io, rows, max_prompt_tokens)
+    return encode_prompts(text_io, rows, max_prompt_tokens), None
+
+
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     """(ids [B, W], attention mask [B, W]) with every sequence right-aligned."""
     width = max(len(s) for s in sequences)
@@ -96,12 +132,21 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, T
 
 @torch.no_grad()
 def generate_rollouts(model: torch.nn.Module, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], *, n: int,
-                      sampling: Sampling, seed: int) -> RolloutBatch:
+                      sampling: Sampling, seed: int, media: Sequence[dict[str, Tensor]] | None = None,
+                      keep_logprobs: bool = False) -> RolloutBatch:
     """`n` responses per prompt with HF `generate`; sampling noise depends on `seed` only.
+
+    `tokenizer` may be a multimodal processor (its tokenizer is used here). `media` (from
+    `encode_prompt_inputs`) holds each prompt's media tensors: they are repeated with the prompt,
+    collated into `generate`, and kept per row in the batch. With media the model's media tokens
+    (placeholders, start/end markers) are never sampled: a response holding one would ask the model
+    for media it was not given. `keep_logprobs` records `RolloutBatch.rollout_logp` from generate's
+    raw logits (it keeps [B, new tokens, vocab] logits for the call: meant for checks and small vocabs).
 
     The response mask covers every token up to and including the first EOS (generate pads after it).
     The model is put back in the train/eval mode it had.
     """
+    tokenizer = tokenizer_of(tokenizer)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     repeated = [ids for ids in prompt_ids for _ in range(n)]
     input_ids, attention = left_pad(repeated, pad)
@@ -109,6 +154,12 @@ def generate_rollouts(model: torch.nn.Module, tokenizer: Any, prompt_ids: Sequen
     options: dict[str, Any] = ({"do_sample": False} if sampling.greedy else
                                {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
                                 "top_k": 0})
+    row_media = None if media is None else [m for m in media for _ in range(n)]
+    if row_media is not None:
+        options.update(collate_media(row_media))
+        options["suppress_tokens"] = media_token_ids(tokenizer)
+    if keep_logprobs:
+        options.update(return_dict_in_generate=True, output_logits=True)
     was_training = model.training
     model.eval()
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG as it was
@@ -116,17 +167,26 @@ def generate_rollouts(model: torch.nn.Module, tokenizer: Any, prompt_ids: Sequen
         out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=sampling.max_new_tokens,
                              pad_token_id=pad, eos_token_id=eos, **options)
     model.train(was_training)
-    response = out[:, width:]
+    sequences = out.sequences if keep_logprobs else out
+    response = sequences[:, width:]
     is_eos = (response == eos).int()
     after_eos = (torch.cumsum(is_eos, dim=1) - is_eos) > 0
     response_mask = (~after_eos).long()
     texts = tokenizer.batch_decode(response * response_mask + pad * (1 - response_mask), skip_special_tokens=True)
+    rollout_logp = None
+    if keep_logprobs:
+        temperature = 1.0 if sampling.greedy else sampling.temperature
+        logits = torch.stack(out.logits, dim=1).float() / temperature  # [B, R, V], before any processor
+        picked = torch.log_softmax(logits, dim=-1).gather(-1, response.unsqueeze(-1)).squeeze(-1) * response_mask
+        rollout_logp = torch.cat([torch.zeros_like(attention, dtype=picked.dtype), picked], dim=1)
     return RolloutBatch(
-        input_ids=out,
+        input_ids=sequences,
         attention_mask=torch.cat([attention, response_mask], dim=1),
         response_mask=torch.cat([torch.zeros_like(attention), response_mask], dim=1),
         responses=texts,
         group_ids=torch.arange(len(prompt_ids)).repeat_interleave(n),
+        media=row_media,
+        rollout_logp=rollout_logp,
     )
 
 
@@ -142,9 +202,10 @@ def score_rollouts(rows: Sequence[dict[str, Any]], responses: Sequence[str], rew
 
 
 def rollout_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> Tensor:
-    """Per-token log-probs [B, T] of the batch's response tokens under `model` (0 elsewhere)."""
+    """Per-token log-probs [B, T] of the batch's response tokens under `model` (0 elsewhere), given
+    each row's prompt and media."""
     return sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
-                             temperature=temperature)
+                             temperature=temperature, **batch.media_inputs())
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -217,7 +278,8 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
 def evaluate(model: torch.nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], *, reward: str | None = None,
              sampling: Sampling | None = None, n: int = 1, max_prompt_tokens: int = 256, batch_size: int = 64,
              seed: int = 0) -> dict[str, float]:
-    """Mean reward of `n` responses per row (greedy unless `sampling` says otherwise), verl's val names:
+    """Mean reward of `n` responses per row (greedy unless `sampling` says otherwise), verl's val names
+    (`tokenizer` may be a multimodal processor):
     `val/reward_mean` and `val-core/{data_source}/reward/mean@{n}` per data source.
 
     The sampling noise depends on `seed` only, so evaluating two checkpoints with the same seed
@@ -227,8 +289,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, rows: Sequence[dict[str, An
     scores: list[float] = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        batch = generate_rollouts(model, tokenizer, encode_prompts(tokenizer, chunk, max_prompt_tokens), n=n,
-                                  sampling=sampling, seed=seed + start)
+        prompts, media = encode_prompt_inputs(tokenizer, chunk, max_prompt_tokens)
+        batch = generate_rollouts(model, tokenizer, prompts, media=media, n=n, sampling=sampling, seed=seed + start)
         scores += [r["score"] for r in score_rollouts(chunk, batch.responses, reward, n)]
     out = {"val/reward_mean": sum(scores) / max(len(scores), 1)}
     by_source: dict[str, list[float]] = {}

@@ -1,5 +1,9 @@
 """A synchronous GRPO/GSPO step on a causal LM: generate, reward, advantages, old log-probs, update.
 
+The policy is a text-only causal LM with its tokenizer, or a multimodal model with its processor
+(Qwen3-Omni's thinker): then each row's images and audio go with its prompt into the rollout, and the
+old, reference and updated log-probs condition on them (see `omni_core.training.components`).
+
 Plain torch + transformers, no Ray: the Ray actor in `ray_stage` drives it. Each part is a component
 from `omni_core.training.components`; `step` reads top to bottom as the algorithm:
 
@@ -27,7 +31,7 @@ from omni_core.training.components import (
     RolloutBatch,
     Sampling,
     build_optimizer,
-    encode_prompts,
+    encode_prompt_inputs,
     frozen_copy,
     generate_rollouts,
     policy_update,
@@ -44,7 +48,8 @@ class GRPOTrainer:
     """`step()` runs one GRPO/GSPO step and returns verl-named metrics.
 
     The policy is `stage.model` loaded with `seed`, unless a warm-started `model` and its
-    `tokenizer` are given (e.g. after SFT); they are trained in place.
+    `tokenizer` are given (e.g. after SFT); they are trained in place. `tokenizer` may be a multimodal
+    processor (what `load_model` returns for Qwen3-Omni): the rows' images and audio then reach the model.
     """
 
     def __init__(self, stage: RLStage, rows: list[dict[str, Any]], seed: int, *,
@@ -67,9 +72,10 @@ class GRPOTrainer:
         return Sampling(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens)
 
     def generate(self, rows: list[dict[str, Any]], step: int) -> RolloutBatch:
-        prompts = encode_prompts(self.tokenizer, rows, self.stage.trainer.max_prompt_tokens)
-        return generate_rollouts(self.model, self.tokenizer, prompts, n=self.stage.rollout.n, sampling=self.sampling,
-                                 seed=self.seed * 7919 + step)  # sampling noise depends on (seed, step) only
+        prompts, media = encode_prompt_inputs(self.tokenizer, rows, self.stage.trainer.max_prompt_tokens)
+        seed = self.seed * 7919 + step  # sampling noise depends on (seed, step) only
+        return generate_rollouts(self.model, self.tokenizer, prompts, media=media, n=self.stage.rollout.n,
+                                 sampling=self.sampling, seed=seed)
 
     def score(self, rows: list[dict[str, Any]], batch: RolloutBatch) -> torch.Tensor:
         results = score_rollouts(rows, batch.responses, self.stage.reward.name, self.stage.rollout.n)

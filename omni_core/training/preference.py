@@ -21,8 +21,6 @@ term), `actor/reward_accuracy`, `actor/chosen_rewards`, `actor/rejected_rewards`
 from __future__ import annotations
 
 import contextlib
-import io
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,13 +40,12 @@ from omni_core.algorithms.preference import (
 )
 from omni_core.errors import ModelError
 from omni_core.models import token_logprobs
-from omni_core.models.omni_processor import decode_wav, media_messages
 from omni_core.training.components import build_optimizer, frozen_copy, optimizer_step
+from omni_core.training.multimodal import is_processor, prompt_messages, row_media, tokenizer_of
 from omni_core.training.sampler import ModalityGroupedSampler, row_modality, validation_batches
 
 Row = Mapping[str, Any]
 VAL_METRICS = ("reward_accuracy", "reward_margin", "chosen_rewards", "rejected_rewards")
-_MARKER = re.compile(r"<(image|audio|video)>")
 
 
 class PreferenceConfig(BaseModel):
@@ -115,42 +112,19 @@ class PairBatch:
         return len(self.modalities)
 
 
-def _messages(row: Row, multimodal: bool) -> list[dict[str, Any]]:
-    """Chat messages of the row's prompt: typed media parts for a processor, markers dropped otherwise."""
-    messages = [dict(m) for m in row["prompt"]]
-    if multimodal:
-        return media_messages(messages)
-    return [{**m, "content": _MARKER.sub("", m["content"])} for m in messages]
-
-
-def _media(rows: Sequence[Row]) -> dict[str, list[Any]]:
-    """The rows' images (PIL) and audio (16 kHz float arrays), in row order; videos are refused."""
-    from PIL import Image
-
-    images, audio = [], []
-    for row in rows:
-        if row.get("videos"):
-            raise ModelError("video inputs are not supported by the native preference trainer (no video decoder "
-                             "here); give video weight 0 in modality_weights or train text-only on a tokenizer")
-        images += [Image.open(io.BytesIO(m["bytes"])).convert("RGB") for m in row.get("images") or []]
-        audio += [decode_wav(m["bytes"]) for m in row.get("audios") or []]
-    return {k: v for k, v in (("images", images), ("audio", audio)) if v}
-
-
 def encode_pairs(text_io: Any, rows: Sequence[Row]) -> PairBatch:
     """Chat-template prompt + response + EOS for the chosen and the rejected answer of each row.
 
     `text_io` is a tokenizer (prompts without media markers) or a multimodal processor (media
     markers become the model's media tokens and the row's images/audio are processed with them).
     """
-    tokenizer = getattr(text_io, "tokenizer", text_io)
-    multimodal = text_io is not tokenizer
-    prompts = [text_io.apply_chat_template(_messages(row, multimodal), add_generation_prompt=True, tokenize=False)
-               for row in rows]
+    tokenizer, multimodal = tokenizer_of(text_io), is_processor(text_io)
+    prompts = [text_io.apply_chat_template(prompt_messages(row, multimodal), add_generation_prompt=True,
+                                           tokenize=False) for row in rows]
     answers = [row["chosen"]["content"] for row in rows] + [row["rejected"]["content"] for row in rows]
     texts = [p + a + tokenizer.eos_token for p, a in zip(prompts + prompts, answers, strict=True)]
     if multimodal:
-        inputs = dict(text_io(text=texts, padding=True, return_tensors="pt", **_media(list(rows) * 2)))
+        inputs = dict(text_io(text=texts, padding=True, return_tensors="pt", **row_media(list(rows) * 2)))
     else:
         inputs = dict(tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False))
         inputs["position_ids"] = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding
