@@ -141,3 +141,87 @@ def test_cli_unwritable_store(tmp_path: Path) -> None:
     blocker.write_text("not a directory")
     result = omni("run", str(DEMO), f"store={blocker}/store", cwd=tmp_path)
     assert_one_line_error(result, str(blocker))
+
+
+# ---- rl stage algorithms: options per algorithm, model options, combinations that cannot work -------
+
+DPO = ROOT / "configs" / "dpo.yaml"
+FLOW = ROOT / "configs" / "flow_grpo.yaml"
+
+
+@pytest.mark.parametrize(
+    ("path", "overrides", "expected"),
+    [
+        (DEMO, ["stages.rl.algorithm.beta=0.2"],
+         "stages.rl.algorithm.beta: not an option of grpo (it is one of dpo, mpo); grpo takes: clip_ratio_low"),
+        (DPO, ["stages.dpo.algorithm.clip_ratio_low=0.1"],
+         "stages.dpo.algorithm.clip_ratio_low: not an option of dpo (it is one of grpo, gspo)"),
+        (DPO, ["stages.dpo.algorithm.num_steps=4"], "stages.dpo.algorithm.num_steps: not an option of dpo"),
+        (FLOW, ["stages.flow_grpo.algorithm.beta=0.2"], "stages.flow_grpo.algorithm.beta: not an option of flow_grpo"),
+        (DPO, ["stages.dpo.algorithm.betta=0.2"], "stages.dpo.algorithm.betta: unknown key"),
+        (DPO, ["stages.dpo.algorithm.name=ppo"], "stages.dpo.algorithm.name: Input should be"),
+        (DPO, ["stages.dpo.algorithm.lr=0.1"],
+         "stages.dpo.algorithm: `lr` is not an algorithm option; set trainer.lr in the stage instead"),
+        (FLOW, ["stages.flow_grpo.algorithm.group_size=8"], "stages.flow_grpo.algorithm: `group_size` is not an"),
+        (DPO, ["stages.dpo.algorithm.loss_weights=[1.0, 2.0]"],
+         "stages.dpo.algorithm: loss_weights: 1 loss types (sigmoid) but 2 loss_weights"),
+        (DPO, ["stages.dpo.algorithm.beta=0"], "stages.dpo.algorithm.beta: Input should be greater than 0"),
+        (DPO, ["stages.dpo.rollout.temperature=0.7"], "stages.dpo.rollout.temperature: not used by dpo"),
+        (DPO, ["stages.dpo.reward.name=gsm8k"], "stages.dpo.reward.name: not used by dpo"),
+        (FLOW, ["stages.flow_grpo.trainer.ppo_mini_batch_size=2"],
+         "stages.flow_grpo.trainer.ppo_mini_batch_size: not used by flow_grpo"),
+        (FLOW, ["stages.flow_grpo.model=tiny://lm"],
+         "stages.flow_grpo.model: flow_grpo trains a text-to-image diffusion model (e.g. tiny://sd3), but tiny://lm"),
+        (DEMO, ["stages.rl.model=tiny://sd3"], "stages.rl.model: grpo trains a language model"),
+        (DPO, ["stages.dpo.model=tiny://sd3"], "stages.dpo.model: dpo trains a language model"),
+        (FLOW, ["stages.flow_grpo.adapter=causal_lm"],
+         "stages.flow_grpo.adapter: causal_lm is for a language model, but tiny://sd3 is"),
+        (FLOW, ["stages.flow_grpo.model=./my-sd3", "stages.flow_grpo.adapter=qwen3_omni_thinker"],
+         "stages.flow_grpo.adapter: flow_grpo trains a text-to-image diffusion model"),
+        (DPO, ["stages.dpo.lora.rnak=8"], "stages.dpo.lora.rnak: unknown key"),
+        (DPO, ["stages.dpo.lora.dropout=1.5"], "stages.dpo.lora.dropout: Input should be less than 1"),
+        (DPO, ["stages.dpo.algorithm.name=gspo"], "stages.dpo.algorithm.beta: not an option of gspo (it is one of dpo, mpo)"),
+        (DPO, ["stages.dpo.algorithm={name: grpo}"],
+         "stages.dpo.data: grpo samples responses to prompts and rewards them, but 'omni_preference' holds "
+         "preference pairs (converter omni_preference)"),
+        (DEMO, ["stages.rl.algorithm={name: mpo}", "stages.rl.rollout={}", "stages.rl.reward={}",
+                "stages.rl.trainer={total_steps: 2}"],
+         "stages.rl.data: mpo trains on preference pairs (a dataset with converter omni_preference), "
+         "but 'gsm8k' uses converter gsm8k"),
+    ],
+)
+def test_rl_algorithm_errors_name_their_key_path(path: Path, overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigValidationError) as info:
+        load_pipeline(path, overrides)
+    assert any(line.startswith(expected) for line in info.value.errors), info.value.errors
+
+
+def test_example_pipelines_resolve_algorithm_defaults() -> None:
+    dpo = load_pipeline(DPO, ["stages.dpo.trainer={total_steps: 2}", "stages.dpo.algorithm={name: mpo}"]).stage("dpo")
+    assert (dpo.trainer.lr, dpo.trainer.batch_size, dpo.algorithm.weight_decay) == (1e-3, 8, 0.0)  # PreferenceConfig's
+    dumped = dpo.model_dump(mode="json")
+    assert set(dumped) >= {"model", "algorithm", "trainer"} and not {"rollout", "reward", "lora"} & set(dumped)
+    assert set(dumped["trainer"]) == {"total_steps", "batch_size", "lr", "max_grad_norm"}
+    assert set(dumped["algorithm"]) == {"name", "loss_type", "loss_weights", "beta", "label_smoothing",
+                                        "average_log_prob", "weight_decay", "modality_weights"}
+    assert type(dpo).model_validate(dumped) == dpo  # what the trainer actor receives
+
+    flow = load_pipeline(FLOW, ["stages.flow_grpo.reward={}", "stages.flow_grpo.trainer={}",
+                                "stages.flow_grpo.lora={rank: 4, target_modules: [attn.to_q]}"]).stage("flow_grpo")
+    assert flow.reward.name == "jpeg_compressibility" and (flow.trainer.lr, flow.trainer.batch_size) == (3e-4, 2)
+    assert flow.algorithm.weight_decay == 1e-4 and flow.lora.rank == 4 and flow.lora.target_modules == ["attn.to_q"]
+    assert flow.model_dump(mode="json")["rollout"] == {"n": 4}
+
+    demo = load_pipeline(DEMO).stage("rl")  # grpo keeps its sections whole and adds no model options
+    dumped = demo.model_dump(mode="json")
+    assert not {"adapter", "adapter_stage", "lora"} & set(dumped) and "temperature" in dumped["rollout"]
+    assert set(dumped["algorithm"]) == {"name", "clip_ratio_low", "clip_ratio_high", "loss_agg_mode", "adv_scale",
+                                        "kl_beta"}
+
+
+def test_cli_rl_algorithm_error_is_one_line(tmp_path: Path) -> None:
+    result = omni("run", str(FLOW), "stages.flow_grpo.model=tiny://lm", cwd=tmp_path)
+    assert_one_line_error(result, "stages.flow_grpo.model: flow_grpo trains a text-to-image diffusion model")
+    ok = omni("validate", str(DPO), cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert yaml.safe_load(ok.stdout)["stages"][1]["algorithm"]["name"] == "dpo"

@@ -6,9 +6,18 @@ Stage models are discriminated by `kind`; adding a stage kind means adding one m
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 
 class Strict(BaseModel):
@@ -47,13 +56,142 @@ class BuildImagesStage(StageBase):
     builder: Literal["auto", "buildah", "docker"] = "auto"
 
 
+# ---- the rl stage -------------------------------------------------------------------------------
+
+RL_ALGORITHMS = ("grpo", "gspo", "dpo", "mpo", "flow_grpo")
+PREFERENCE_ALGORITHMS = ("dpo", "mpo")
+ALL = "*"  # every key of a section
+
+_POLICY_OPTIONS = ("clip_ratio_low", "clip_ratio_high", "loss_agg_mode", "adv_scale", "kl_beta")
+_PREFERENCE_OPTIONS = ("loss_type", "loss_weights", "beta", "label_smoothing", "average_log_prob", "weight_decay",
+                       "modality_weights")
+_FLOW_OPTIONS = ("num_steps", "noise_level", "sde_type", "guidance_scale", "negative_prompt", "adv_std", "adv_clip",
+                 "clip_range", "kl_beta", "timestep_fraction", "weight_decay", "mini_batches")
+# The `algorithm:` keys (besides `name`) each algorithm takes. dpo/mpo keys are PreferenceConfig's
+# (omni_core.training.preference), flow_grpo keys FlowGRPOConfig's (omni_core.training.flow_grpo).
+ALGORITHM_OPTIONS: dict[str, tuple[str, ...]] = {
+    "grpo": _POLICY_OPTIONS, "gspo": _POLICY_OPTIONS,
+    "dpo": _PREFERENCE_OPTIONS, "mpo": _PREFERENCE_OPTIONS,
+    "flow_grpo": _FLOW_OPTIONS,
+}
+# The keys of the stage's trainer/rollout/reward sections each algorithm reads; a section left out
+# here is not used at all. Setting a key the chosen algorithm does not read is an error.
+STAGE_KEYS: dict[str, dict[str, tuple[str, ...] | str]] = {
+    "grpo": {"trainer": ALL, "rollout": ALL, "reward": ALL},
+    "gspo": {"trainer": ALL, "rollout": ALL, "reward": ALL},
+    "dpo": {"trainer": ("total_steps", "batch_size", "lr", "max_grad_norm")},
+    "mpo": {"trainer": ("total_steps", "batch_size", "lr", "max_grad_norm")},
+    "flow_grpo": {"trainer": ("total_steps", "batch_size", "lr", "max_grad_norm", "ppo_epochs"),
+                  "rollout": ("n",), "reward": ("name",)},
+}
+# Defaults that differ by algorithm (PreferenceConfig's and FlowGRPOConfig's), for keys left unset.
+ALGORITHM_DEFAULTS: dict[str, dict[str, object]] = {
+    "dpo": {"trainer.lr": 1e-3, "trainer.batch_size": 8, "algorithm.weight_decay": 0.0},
+    "mpo": {"trainer.lr": 1e-3, "trainer.batch_size": 8, "algorithm.weight_decay": 0.0},
+    "flow_grpo": {"trainer.lr": 3e-4, "trainer.batch_size": 2, "reward.name": "jpeg_compressibility",
+                  "algorithm.weight_decay": 1e-4},
+}
+# Keys that belong in another section of the stage (the trainers' own spelling -> the stage's).
+_SET_ELSEWHERE = {"lr": "trainer.lr", "batch_size": "trainer.batch_size", "prompts_per_step": "trainer.batch_size",
+                  "total_steps": "trainer.total_steps", "max_grad_norm": "trainer.max_grad_norm",
+                  "ppo_epochs": "trainer.ppo_epochs", "group_size": "rollout.n", "reward": "reward.name",
+                  "loss_mode": "algorithm.name"}
+
+
 class AlgorithmConfig(Strict):
-    name: Literal["grpo", "gspo"] = "grpo"
+    """`name` picks the algorithm; the other keys are its options (`ALGORITHM_OPTIONS`). A key of
+    another algorithm fails naming the algorithms it belongs to; an unknown key fails as unknown."""
+
+    name: Literal["grpo", "gspo", "dpo", "mpo", "flow_grpo"] = "grpo"
+    # grpo, gspo: the PPO-clip policy loss (kl_beta also flow_grpo's)
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.2, ge=0)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     adv_scale: Literal["group", "batch", "none"] = "group"
-    kl_beta: float = Field(0.0, ge=0)
+    kl_beta: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy.")
+    # dpo, mpo (PreferenceConfig)
+    loss_type: str | list[str] | None = Field(
+        None, description="dpo: sigmoid | ipo | bco_pair (default sigmoid); mpo: a list (default sigmoid, bco_pair, sft)")
+    loss_weights: list[float] | None = Field(None, description="One per loss type; mpo default 0.8, 0.2, 1.0.")
+    beta: float = Field(0.1, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    average_log_prob: bool = Field(False, description="Length-normalised sequence log-probs.")
+    modality_weights: dict[str, Annotated[float, Field(ge=0)]] | None = Field(
+        None, description="Chance of each modality per training batch; absent modalities weigh 1.")
+    weight_decay: float | None = Field(None, ge=0, description="AdamW weight decay; default 0 (dpo, mpo), 1e-4 (flow_grpo).")
+    # flow_grpo (FlowGRPOConfig)
+    num_steps: int = Field(10, ge=1, description="Denoising steps of a training rollout (SDE).")
+    noise_level: float = Field(0.7, gt=0, description="SDE noise level of the rollout.")
+    sde_type: Literal["sde", "cps"] = "sde"
+    guidance_scale: float = Field(4.5, ge=1.0, description="True-CFG weight; 1.0 turns CFG off.")
+    negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch.")
+    adv_std: Literal["group", "global"] = "group"
+    adv_clip: float = Field(5.0, gt=0)
+    clip_range: float = Field(1e-4, gt=0)
+    timestep_fraction: float = Field(1.0, gt=0, le=1, description="Share of the denoising steps trained (the first).")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass over the rollout.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_set_elsewhere(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, where in _SET_ELSEWHERE.items():
+                if key in data:
+                    raise ValueError(f"`{key}` is not an algorithm option; set {where} in the stage instead")
+        return data
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _belongs_to_algorithm(cls, value: Any, info: ValidationInfo) -> Any:
+        """Runs for the keys given (defaults are not validated): each must be an option of `name`."""
+        name = info.data.get("name")
+        if info.field_name == "name" or name is None or info.field_name in ALGORITHM_OPTIONS[name]:
+            return value
+        owners = [a for a, keys in ALGORITHM_OPTIONS.items() if info.field_name in keys]
+        raise ValueError(f"not an option of {name} (it is one of {', '.join(owners)}); "
+                         f"{name} takes: {', '.join(ALGORITHM_OPTIONS[name])}")
+
+    @model_validator(mode="after")
+    def _resolve(self) -> AlgorithmConfig:
+        default = ALGORITHM_DEFAULTS.get(self.name, {}).get("algorithm.weight_decay")
+        if self.weight_decay is None and default is not None:
+            self.weight_decay = float(default)  # type: ignore[arg-type]
+        if self.name in PREFERENCE_ALGORITHMS:
+            _check_preference_losses(self)
+        return self
+
+    def options(self) -> dict[str, Any]:
+        """The options of the chosen algorithm, by key (what `model_dump` holds besides `name`)."""
+        return {key: getattr(self, key) for key in ALGORITHM_OPTIONS[self.name]}
+
+    @model_serializer(mode="wrap")
+    def _dump_chosen_options(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        keep = {"name", *ALGORITHM_OPTIONS[self.name]}
+        return {k: v for k, v in data.items() if k in keep}
+
+
+def _check_preference_losses(algo: AlgorithmConfig) -> None:
+    """PreferenceConfig's loss checks, without importing torch unless a loss type is named."""
+    if algo.loss_type is None:
+        types = ["sigmoid"] if algo.name == "dpo" else ["sigmoid", "bco_pair", "sft"]
+    else:
+        types = [algo.loss_type] if isinstance(algo.loss_type, str) else list(algo.loss_type)
+        from omni_core.algorithms.preference import SFT, get_preference_loss
+        from omni_core.errors import ConfigError
+
+        for name in types:
+            if name != SFT:
+                try:
+                    get_preference_loss(name)
+                except ConfigError as exc:
+                    raise ValueError(f"loss_type: {exc}") from None
+    if algo.loss_weights is not None and len(algo.loss_weights) != len(types):
+        raise ValueError(f"loss_weights: {len(types)} loss types ({', '.join(types)}) but "
+                         f"{len(algo.loss_weights)} loss_weights; give one weight each")
+    if algo.name == "dpo" and (len(types) != 1 or types[0] == "sft"):
+        raise ValueError(f"loss_type: dpo takes one pairwise loss type (sigmoid, ipo, bco_pair), not {types}; "
+                         "for a weighted list use name: mpo")
 
 
 class RolloutConfig(Strict):
@@ -79,15 +217,111 @@ class TrainerConfig(Strict):
                                 "default: the whole batch, one step per pass.")
 
 
+class LoraConfig(Strict):
+    """LoRA on the trained model (omni_core.models.lora.LoraSpec); then only adapter weights train and
+    are saved. `target_modules`: module-name suffixes, or one regex matching whole module names."""
+
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | str | None = Field(None, description="Default: the adapter's targets.")
+
+
 class RLStage(StageBase):
     kind: Literal["rl"] = "rl"
-    model: str = "tiny://lm"
+    model: str = Field("tiny://lm", description="Model URI: tiny://NAME, a save_pretrained folder, s3://..., org/name.")
+    adapter: str | None = Field(None, description="Training adapter by name (causal_lm, qwen3_omni, "
+                                                  "qwen3_omni_thinker, sd3); default: the model's own.")
+    adapter_stage: str | None = Field(None, description="The part of the model trained (all, thinker); "
+                                                        "picks the adapter registered for it.")
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of the full model.")
     data: str = Field(description="Dataset key, optionally with a split: `gsm8k` or `gsm8k:train`.")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    trainer: TrainerConfig = Field(
+        default_factory=TrainerConfig,
+        description="lr and batch_size default by algorithm: 1e-4/4 (grpo, gspo), 1e-3/8 (dpo, mpo), 3e-4/2 (flow_grpo).")
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved for the trainer actor.")
+
+    @model_validator(mode="after")
+    def _algorithm_defaults(self) -> RLStage:
+        """Keys left unset whose default depends on the algorithm get that algorithm's default."""
+        for path, value in ALGORITHM_DEFAULTS.get(self.algorithm.name, {}).items():
+            section, key = path.split(".")
+            part = getattr(self, section)
+            if key not in part.model_fields_set:
+                setattr(part, key, value)
+        return self
+
+    def unused_keys(self) -> list[str]:
+        """`section.key` of trainer/rollout/reward keys set in the file that the algorithm does not read."""
+        uses = STAGE_KEYS[self.algorithm.name]
+        unused = []
+        for section in ("trainer", "rollout", "reward"):
+            keys = uses.get(section, ())
+            unused += [f"{section}.{k}" for k in sorted(getattr(self, section).model_fields_set)
+                       if keys != ALL and k not in keys]
+        return unused
+
+    @model_serializer(mode="wrap")
+    def _dump_what_applies(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Unset model options and the sections (keys) the algorithm does not read are left out, so the
+        dump (and the run key made from it) holds what determines the weights and nothing else."""
+        data = handler(self)
+        for key in ("adapter", "adapter_stage", "lora"):
+            if data.get(key, "") is None:
+                del data[key]
+        uses = STAGE_KEYS[self.algorithm.name]
+        for section in ("trainer", "rollout", "reward"):
+            if section not in data:
+                continue
+            keys = uses.get(section)
+            if keys is None:
+                del data[section]
+            elif keys != ALL:
+                data[section] = {k: v for k, v in data[section].items() if k in keys}
+        return data
+
+
+# What a model URI or adapter name is, where that is known without loading anything.
+_DIFFUSION, _LM = "a text-to-image diffusion model", "a language model"
+_KNOWN_MODELS = {"tiny://sd3": _DIFFUSION, "tiny://lm": _LM, "tiny://qwen3-omni": _LM}
+_KNOWN_ADAPTERS = {"sd3": _DIFFUSION, "causal_lm": _LM, "qwen3_omni": _LM, "qwen3_omni_thinker": _LM}
+PREFERENCE_CONVERTERS = ("omni_preference",)
+
+
+def _rl_stage_problem(stage: RLStage, datasets: dict[str, DatasetConfig]) -> str | None:
+    """The first combination in an rl stage that cannot work, as `key.path: message`, or None."""
+    where = f"stages.{stage.name}"
+    algo = stage.algorithm.name
+    unused = stage.unused_keys()
+    if unused:
+        reads = STAGE_KEYS[algo]
+        said = "; ".join(f"{s}: {', '.join(k) if k != ALL else 'all'}" for s, k in reads.items()) or "none"
+        return (f"{where}.{unused[0]}: not used by {algo} (remove it; {algo} reads {said}; "
+                f"its own options go under algorithm:)")
+    model_kind = _KNOWN_MODELS.get(stage.model)
+    adapter_kind = _KNOWN_ADAPTERS.get(stage.adapter or "")
+    if model_kind and adapter_kind and model_kind != adapter_kind:
+        return f"{where}.adapter: {stage.adapter} is for {adapter_kind}, but {stage.model} is {model_kind}"
+    kind, key = (adapter_kind, "adapter") if adapter_kind else (model_kind, "model")
+    wanted = _DIFFUSION if algo == "flow_grpo" else _LM
+    if kind and kind != wanted:
+        value = stage.adapter if key == "adapter" else stage.model
+        hint = "e.g. tiny://sd3" if algo == "flow_grpo" else "e.g. tiny://lm; flow_grpo trains diffusion models"
+        return f"{where}.{key}: {algo} trains {wanted} ({hint}), but {value} is {kind}"
+    dataset_key = stage.data.split(":", 1)[0]
+    dataset = datasets.get(dataset_key)
+    if dataset is not None:
+        pairs = dataset.converter in PREFERENCE_CONVERTERS
+        if algo in PREFERENCE_ALGORITHMS and not pairs:
+            return (f"{where}.data: {algo} trains on preference pairs (a dataset with converter "
+                    f"{' or '.join(PREFERENCE_CONVERTERS)}), but '{dataset_key}' uses converter {dataset.converter}")
+        if algo not in PREFERENCE_ALGORITHMS and pairs:
+            return (f"{where}.data: {algo} samples responses to prompts and rewards them, but '{dataset_key}' "
+                    f"holds preference pairs (converter {dataset.converter}); use algorithm.name dpo or mpo")
+    return None
 
 
 AnyStage = IngestStage | BuildImagesStage | RLStage
@@ -118,6 +352,8 @@ class PipelineConfig(Strict):
                     known = ", ".join(self.datasets) or "none declared"
                     field = "datasets" if isinstance(stage, IngestStage) else "data"
                     raise ValueError(f"stages.{stage.name}.{field}: '{key}' is not under datasets: ({known})")
+            if isinstance(stage, RLStage) and (problem := _rl_stage_problem(stage, self.datasets)):
+                raise ValueError(problem)
         self.ordered_stages()  # raises on a cycle
         return self
 
