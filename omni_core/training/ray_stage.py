@@ -1,4 +1,5 @@
-"""The RL stage on Ray: a trainer actor runs the GRPO loop, logs metrics and writes the checkpoint.
+"""The RL stage on Ray: a trainer actor runs the stage's algorithm (GRPO/GSPO, DPO/MPO, FlowGRPO; see
+`stage_trainers`), logs metrics and writes the checkpoint.
 
 The driver (a Prefect task, a notebook, a Ray Job) calls `run_rl_stage`; everything the actor needs
 travels as plain data (store URI, dataset version, MLflow run id), so it can run on any Ray node.
@@ -63,19 +64,23 @@ def read_split(store: Store, shard_keys: list[str]) -> list[dict[str, Any]]:
 
 
 def _weights_digest(manifest: dict[str, Any]) -> str:
-    return next((f["sha256"] for f in manifest["files"] if f["path"].endswith(".safetensors")), "")
+    """sha256 of the trained weights: the manifest's `weights` file, else (older manifests) the first
+    .safetensors file."""
+    path = manifest.get("weights")
+    return next((f["sha256"] for f in manifest["files"]
+                 if (f["path"] == path if path else f["path"].endswith(".safetensors"))), "")
 
 
 @ray.remote
 class RLTrainerActor:
-    """Holds the policy and optimizer; runs every step of the stage and writes the checkpoint."""
+    """Holds the model and optimizer; runs every step of the stage and writes the checkpoint."""
 
     def run(self, *, pipeline: str, stage_json: dict, seed: int, store_root: str, shard_keys: list[str],
             dataset_version: str, run_key: str, tracking_uri: str, mlflow_run_id: str) -> dict[str, Any]:
         from transformers.utils import logging as hf_logging
 
         from omni_core.lineage import Tracker
-        from omni_core.training.grpo_loop import GRPOTrainer
+        from omni_core.training.stage_trainers import build_stage_trainer
 
         hf_logging.disable_progress_bar()  # per-file load/save bars drown the per-step progress lines
 
@@ -84,7 +89,7 @@ class RLTrainerActor:
         rows = read_split(store, shard_keys)
         if not rows:
             raise DataError(f"stage {stage.name}: dataset split {stage.data} has no rows; check the ingest quarantine")
-        trainer = GRPOTrainer(stage, rows, seed)
+        trainer = build_stage_trainer(stage, rows, seed)
         tracker = Tracker(tracking_uri)
         total = stage.trainer.total_steps
         metrics: dict[str, float] = {}
@@ -92,11 +97,9 @@ class RLTrainerActor:
             metrics = trainer.step()
             step = trainer.global_step
             tracker.log_metrics(mlflow_run_id, metrics, step=step, timestamp_ms=int(time.time() * 1000))
-            print(f"[{stage.name}] step {step}/{total}  score={metrics['critic/score/mean']:.3f}  "
-                  f"pg_loss={metrics['actor/pg_loss']:+.4f}  "
-                  f"len={metrics['response_length/mean']:.1f}  {metrics['timing_s/step']:.2f}s", flush=True)
+            print(f"[{stage.name}] step {step}/{total}  {trainer.progress(metrics)}", flush=True)
         root = stage_prefix(pipeline, run_key, stage.name)
-        manifest = save_checkpoint(store, root, trainer.global_step, trainer.model, trainer.tokenizer, {
+        manifest = save_checkpoint(store, root, trainer.global_step, trainer.model, trainer.text_io, {
             "run_key": run_key, "stage": stage.name, "seed": seed, "dataset_version": dataset_version,
             "model": stage.model, "algorithm": stage.algorithm.name, "final_metrics": metrics,
         })
