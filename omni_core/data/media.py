@@ -11,10 +11,12 @@ import math
 import random
 import struct
 import wave
+import zlib
 
 import pyarrow as pa
 from PIL import Image, ImageDraw, UnidentifiedImageError
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 MEDIA_LIST = pa.list_(pa.struct([("bytes", pa.binary())]))  # verl's `images` / `audios` / `videos`
 
@@ -25,24 +27,49 @@ MEDIA_LIST = pa.list_(pa.struct([("bytes", pa.binary())]))  # verl's `images` / 
 def image_problem(data: bytes | memoryview | None) -> str | None:
     """Why `data` is not a usable image, or None.
 
-    PNG is checked with `verify()`, which checks every chunk's CRC (a truncated or bit-flipped file
-    fails) without decoding pixels; other formats have no such checksums, so they are fully decoded.
+    A PNG has every chunk's CRC checked (a truncated or bit-flipped file fails) and its header parsed
+    by PIL, without decoding pixels; other formats have no such checksums, so they are fully decoded.
     """
     if data is None or not len(data):
         return "missing image"
     try:
-        with Image.open(pa.BufferReader(data)) as img:  # reads `data` in place, without a copy
-            if img.format == "PNG":
-                img.verify()
-            else:
-                img.load()
+        is_png = bytes(data[:8]) == PNG_SIGNATURE
+        if is_png and (problem := png_chunk_problem(data)):
+            return problem
+        with Image.open(pa.BufferReader(data) if is_png else io.BytesIO(data)) as img:  # PNG: read in place
             if img.width < 1 or img.height < 1:
                 return "undecodable image: zero-sized"
+            if img.format != "PNG":  # a PNG's chunks were checked above
+                img.load()
     except UnidentifiedImageError:
         return "undecodable image: not a recognised image format"
     except Exception as exc:  # PIL raises many types for bad input
         return f"undecodable image: {exc.__class__.__name__}: {exc}"
     return None
+
+
+def png_chunk_problem(data: bytes | memoryview) -> str | None:
+    """Why the PNG chunks of `data` are broken (a CRC mismatch, a truncation, no IEND), or None.
+
+    The check PIL's `verify()` makes, done on the buffer in place: PIL reads each chunk through
+    Python file reads (a copy per chunk), which cost four times the CRCs themselves at ingest
+    volumes; `zlib.crc32` on memoryview slices copies nothing and releases the GIL.
+    """
+    view = memoryview(data)
+    pos = len(PNG_SIGNATURE)
+    while True:
+        if pos + 8 > len(view):
+            return "undecodable image: truncated PNG file (no IEND chunk)"
+        (length,) = struct.unpack_from(">I", view, pos)
+        end = pos + 8 + length
+        if end + 4 > len(view):
+            return "undecodable image: truncated PNG file"
+        kind = bytes(view[pos + 4:pos + 8])
+        if zlib.crc32(view[pos + 4:end]) != struct.unpack_from(">I", view, end)[0]:
+            return f"undecodable image: broken PNG chunk {kind.decode('latin-1')} (CRC mismatch)"
+        if kind == b"IEND":
+            return None
+        pos = end + 4
 
 
 def wav_problem(data: bytes | None) -> str | None:
