@@ -47,6 +47,7 @@ from omni_core.errors import ConfigError, DataError
 from omni_core.models.diffusion import PromptEmbeds, SD3Model
 from omni_core.rewards import resolve_reward, score_batch
 from omni_core.rewards.registry import RewardFn
+from omni_core.rollout.metrics import rollout_consistency
 
 __all__ = [
     "DiffusionRollout",
@@ -375,6 +376,10 @@ class FlowGRPOTrainer:
         rewards = score_images(batch.images, rows, self.reward)
         advantages = flow_grpo_advantages(rewards, batch.group_ids, std=cfg.adv_std, clip=cfg.adv_clip)
         reward_s, t = time.perf_counter() - t, time.perf_counter()
+        with torch.no_grad():  # verl's training/rollout_*: rollout log-probs vs the trainer's, before updating
+            recomputed = torch.stack([step_log_prob(self.model, batch, j)[0] for j in range(cfg.num_train_steps)], 1)
+        consistency = rollout_consistency(batch.log_probs[:, : cfg.num_train_steps], recomputed)
+        old_log_prob_s, t = time.perf_counter() - t, time.perf_counter()
         shuffle = torch.Generator().manual_seed(derive_seed(self.seed, _SHUFFLE, step))
         metrics = policy_update(
             self.model, self.optimizer, batch, advantages, cfg,
@@ -392,9 +397,11 @@ class FlowGRPOTrainer:
             "critic/advantages/max": advantages.max().item(),
             "critic/advantages/min": advantages.min().item(),
             **metrics,
+            **consistency,
             "actor/lr": self.optimizer.param_groups[0]["lr"],
             "timing_s/gen": gen_s,
             "timing_s/reward": reward_s,
+            "timing_s/old_log_prob": old_log_prob_s,
             "timing_s/update_actor": update_s,
             "timing_s/step": time.perf_counter() - start,
         }

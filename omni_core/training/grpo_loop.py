@@ -26,6 +26,7 @@ import torch
 from omni_core.algorithms import get_policy_loss, grpo_advantages
 from omni_core.config.models import RLStage
 from omni_core.models import load_model
+from omni_core.rollout.metrics import rollout_consistency
 from omni_core.training.components import (
     PromptCursor,
     RolloutBatch,
@@ -105,6 +106,9 @@ class GRPOTrainer:
             old_logp = self.logprobs(batch)
             ref_logp = None if self.reference is None else rollout_logprobs(self.reference, batch, temperature)
         t_old = time.perf_counter() - t
+        # verl's training/rollout_* metrics when the rollout kept its own log-probs (keep_logprobs=True)
+        consistency = ({} if batch.rollout_logp is None else
+                       rollout_consistency(batch.rollout_logp, old_logp, batch.response_mask))
 
         t = time.perf_counter()
         metrics = policy_update(
@@ -121,6 +125,7 @@ class GRPOTrainer:
         lengths = batch.response_mask.sum(dim=1).float()
         return {
             **metrics,
+            **consistency,
             "critic/score/mean": rewards.mean().item(),
             "critic/rewards/mean": rewards.mean().item(),
             "critic/advantages/mean": advantages.mean().item(),
