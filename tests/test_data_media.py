@@ -42,3 +42,17 @@ def test_missing_and_garbage_and_other_formats(png):
     jpeg = encode_image(Image.open(__import__("io").BytesIO(png)).convert("RGB"), "JPEG")
     assert image_problem(memoryview(jpeg)) is None
     assert image_problem(jpeg[: len(jpeg) // 2]) is not None  # no checksums: fully decoded, so caught
+
+
+def test_png_header_is_checked(png):
+    import struct
+    import zlib
+
+    def with_ihdr(width: int, height: int, depth: int, color: int) -> bytes:
+        body = b"IHDR" + struct.pack(">IIBBBBB", width, height, depth, color, 0, 0, 0)
+        return png[:8] + struct.pack(">I", 13) + body + struct.pack(">I", zlib.crc32(body)) + png[33:]
+
+    assert image_problem(with_ihdr(96, 96, 8, 2)) is None  # the original header, rebuilt
+    assert image_problem(with_ihdr(0, 96, 8, 2)) == "undecodable image: zero-sized"
+    assert "bit depth" in image_problem(with_ihdr(96, 96, 4, 2))
+    assert "IHDR" in image_problem(png[:8] + png[33:])  # header chunk missing

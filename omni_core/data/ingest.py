@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from omni_core.config.models import DatasetConfig
 from omni_core.data.converter import Chunk, Converter, RawRecord, RowRejected, RowSkipped, get_converter
+from omni_core.data.memory import without_huge_pages
 from omni_core.data.sources import RawSource, resolve_source
 from omni_core.errors import DataError
 from omni_core.storage import Store, file_digest
@@ -103,7 +104,9 @@ def ingest(store: Store, name: str, config: DatasetConfig, progress: Progress = 
              + (f" on {workers} workers" if workers > 1 else ""))
     store.delete(prefix)  # leftovers of an interrupted attempt: never mixed into this one
     try:
-        manifest = _convert(store, name, version, prefix, raw, converter, config, options, splits, progress, workers)
+        with without_huge_pages():
+            manifest = _convert(store, name, version, prefix, raw, converter, config, options, splits, progress,
+                                workers)
     except BaseException:
         store.delete(prefix)  # no half-written version stays behind
         raise
@@ -200,13 +203,29 @@ def _convert_work(converter_name: str, raw: RawSource, split: str, work: Work, s
                                 "raw": _raw_json(record)})
         except RowSkipped:
             skipped += 1
-    table = pa.Table.from_pylist(rows, schema=converter.schema)
+    table = pa.Table.from_pylist(_owned(rows), schema=converter.schema)
     if spill_dir is None:
         return _Converted(table, quarantined, read, skipped)
     path = os.path.join(spill_dir, f"{uuid.uuid4().hex}.arrow")
     with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, converter.schema) as ipc:
         ipc.write_table(table)
     return _Converted(None, quarantined, read, skipped, path)
+
+
+def _owned(value: Any) -> Any:
+    """`value` with every memoryview (media borrowed from the raw batch) copied to bytes.
+
+    pyarrow 25's conversion from Python never releases the buffer it reads a memoryview through, so
+    a borrowed value would pin its whole raw batch for the life of the process (memory grew with the
+    input); bytes objects are converted without that leak.
+    """
+    if isinstance(value, memoryview):
+        return value.tobytes()
+    if isinstance(value, dict):
+        return {k: _owned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_owned(v) for v in value]
+    return value
 
 
 def _work(converter: Converter, raw: RawSource, split: str) -> Iterator[Work]:

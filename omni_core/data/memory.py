@@ -1,0 +1,40 @@
+"""Process memory settings for streaming work that allocates and frees large buffers in a loop.
+
+Arrow's allocator (mimalloc) marks its arenas as eligible for transparent huge pages and hands freed
+memory back to the kernel after 10 ms. An ingest frees a batch's buffers and allocates the next
+batch's a few hundred milliseconds later, so every batch faults its memory in again, and with huge
+pages each fault makes the kernel zero 2 MiB. Measured on this project's VM, that zeroing was ~40%
+of an ingest's time (perf: clear_page_erms under do_huge_pmd_anonymous_page) and the ingest ran at
+about half the speed it reaches with huge pages off. Turning them off for the duration keeps the
+faults 4 KiB-sized; the previous setting is restored afterwards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_PR_SET_THP_DISABLE = 41
+_PR_GET_THP_DISABLE = 42
+
+
+@contextmanager
+def without_huge_pages() -> Iterator[None]:
+    """Disable transparent huge pages for this process inside the block (Linux; elsewhere a no-op)."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        previous = prctl(_PR_GET_THP_DISABLE, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        yield
+        return
+    changed = previous == 0 and prctl(_PR_SET_THP_DISABLE, 1, 0, 0, 0) == 0
+    try:
+        yield
+    finally:
+        if changed:
+            prctl(_PR_SET_THP_DISABLE, 0, 0, 0, 0)
