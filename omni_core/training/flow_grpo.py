@@ -47,6 +47,8 @@ from omni_core.errors import ConfigError, DataError
 from omni_core.models.diffusion import PromptEmbeds, SD3Model
 from omni_core.rewards import resolve_reward, score_batch
 from omni_core.rewards.registry import RewardFn
+from omni_core.rollout.diffusion import DiffusionSampling, sample_trajectories
+from omni_core.rollout.engine import RolloutResult
 from omni_core.rollout.metrics import rollout_consistency
 
 __all__ = [
@@ -125,6 +127,40 @@ class DiffusionRollout:
         """The final samples [B, C, H, W] in [-1, 1]."""
         return self.latents[:, -1].clamp(-1, 1)
 
+    @classmethod
+    def from_results(
+        cls, results: Sequence[RolloutResult], prompts: Sequence[str], group_ids: Tensor | Sequence[int] | None = None
+    ) -> DiffusionRollout:
+        """The batch of `DiffusionEngine` results (of one sampling, built with prompt embeddings);
+        `prompts[i]` is result i's prompt."""
+        if len(results) != len(prompts) or not results:
+            raise ValueError(f"{len(results)} results for {len(prompts)} prompts")
+        samplings = {dataclasses.replace(r.extra["sampling"], negative_prompt="") for r in results}
+        if len(samplings) != 1:
+            raise ValueError(f"results of different samplings cannot form one batch: {samplings}")
+        sampling = results[0].extra["sampling"]
+        if "prompt_embeds" not in results[0].extra:
+            raise ValueError("the results carry no prompt embeddings (engine built with return_prompt_embeds=False)")
+
+        def stack(name: str) -> Tensor:
+            return torch.stack([r.extra[name] for r in results])
+
+        return cls(
+            prompts=list(prompts),
+            group_ids=torch.as_tensor(list(range(len(results)) if group_ids is None else group_ids), dtype=torch.long),
+            seeds=[int(r.seed) for r in results],
+            cond=PromptEmbeds(stack("prompt_embeds"), stack("pooled_prompt_embeds")),
+            uncond=(PromptEmbeds(stack("negative_prompt_embeds"), stack("negative_pooled_prompt_embeds"))
+                    if sampling.cfg else None),
+            sigmas=results[0].extra["sigmas"],
+            latents=stack("latents"),
+            log_probs=torch.stack([r.logprobs for r in results]),
+            means=stack("means"),
+            guidance_scale=sampling.guidance_scale,
+            noise_level=sampling.noise_level,
+            sde_type=sampling.sde_type,
+        )
+
     def select(self, index: Tensor) -> DiffusionRollout:
         """The samples `index` (a 1-D long tensor)."""
         rows = index.tolist()
@@ -158,10 +194,6 @@ def sample_seed(seed: int, step: int, index: int) -> int:
     return derive_seed(seed, _NOISE, step, index)
 
 
-def _noise(generators: list[torch.Generator], shape: tuple[int, ...], device: torch.device) -> Tensor:
-    return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]).to(device)
-
-
 @torch.no_grad()
 def rollout(
     model: SD3Model,
@@ -178,31 +210,19 @@ def rollout(
     """Sample one image per (prompt, seed) and record its trajectory.
 
     noise_level > 0: the FlowGRPO SDE sampler, with each step's log-prob and mean. noise_level 0:
-    the deterministic Euler (ODE) sampler; log-probs are then undefined (nan).
+    the deterministic Euler (ODE) sampler; log-probs are then undefined (nan). The sampling math is
+    the rollout engine's (`omni_core.rollout.diffusion.sample_trajectories`): the whole batch in one
+    forward per step, as a `DiffusionEngine` request-level batch.
     """
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-    device = model.device
-    generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
-    shape = (model.channels, model.sample_size, model.sample_size)
+    sampling = DiffusionSampling(num_steps=num_steps, guidance_scale=guidance_scale, noise_level=noise_level,
+                                 sde_type=sde_type, negative_prompt=negative_prompt)
     cond = model.encode_prompt(list(prompts))
-    uncond = model.negative_embeds(len(prompts), negative_prompt) if guidance_scale != 1.0 else None
-    sigmas = model.sigmas(num_steps).to(device)
-    x = _noise(generators, shape, device)
-    latents, log_probs, means = [x], [], []
-    for j in range(num_steps):
-        v = model.velocity(x, sigmas[j], cond, uncond=uncond, guidance_scale=guidance_scale)
-        if noise_level > 0:
-            x, log_prob, mean, _ = flow_sde_step(
-                x, v, sigmas[j], sigmas[j + 1], noise_level, noise=_noise(generators, shape, device),
-                sde_type=sde_type,
-            )
-        else:
-            x = mean = x + (sigmas[j + 1] - sigmas[j]) * v.float()
-            log_prob = torch.full((x.shape[0],), float("nan"), device=device)
-        latents.append(x)
-        log_probs.append(log_prob)
-        means.append(mean)
+    # the negative prompt encoded per row, as before the engine existed: the same numbers bit for bit
+    # (one encoding broadcast differs by ~1e-7, enough to move the 40-step learning test's figures)
+    uncond = model.negative_embeds(len(prompts), negative_prompt) if sampling.cfg else None
+    traj = sample_trajectories(model, cond, uncond, seeds, sampling)
     if group_ids is None:
         group_ids = range(len(prompts))
     return DiffusionRollout(
@@ -211,10 +231,10 @@ def rollout(
         seeds=[int(s) for s in seeds],
         cond=cond,
         uncond=uncond,
-        sigmas=sigmas,
-        latents=torch.stack(latents, dim=1),
-        log_probs=torch.stack(log_probs, dim=1),
-        means=torch.stack(means, dim=1),
+        sigmas=traj.sigmas,
+        latents=traj.latents,
+        log_probs=traj.log_probs,
+        means=traj.means,
         guidance_scale=guidance_scale,
         noise_level=noise_level,
         sde_type=sde_type,
