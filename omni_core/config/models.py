@@ -199,6 +199,10 @@ class RolloutConfig(Strict):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(32, ge=1)
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences the rollout engine (ARengine) generates "
+                                                      "together; a larger step batch runs in several batches.")
+    step_execution: bool = Field(False, description="Rollout engine scheduling: false = request-level batches, "
+                                                    "true = step-level continuous batching (REFERENCE.md 4).")
 
 
 class RewardConfig(Strict):

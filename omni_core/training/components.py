@@ -4,6 +4,8 @@ Each function does one thing on plain torch + transformers objects, so a trainer
 the SFT loop, a Ray actor, a notebook) reads as a short composition of them:
 
     prompts, media = encode_prompt_inputs(text_io, rows, max_prompt_tokens)
+    batch      = engine_rollouts(engine, prompts, media=media, n=..., sampling=..., seeds=...)  # ARengine
+    # or, with HF `generate` and one seed for the whole batch (what `evaluate` uses):
     batch      = generate_rollouts(model, text_io, prompts, media=media, n=..., sampling=..., seed=...)
     rewards    = score_rollouts(rows, batch, reward, n)
     advantages = grpo_advantages(rewards, batch.group_ids, scale=...)
@@ -14,7 +16,9 @@ the SFT loop, a Ray actor, a notebook) reads as a short composition of them:
 `policy_update` runs `ppo_epochs` passes over the batch in shuffled mini-batches of whole prompt
 groups, one optimizer step each, so after the first step the ratio logp/old_logp moves away from 1
 and the clip acts (as verl's `ppo_epochs` / `ppo_mini_batch_size`). Randomness comes only from the
-seeds passed in: same seed, same numbers.
+seeds passed in: same seed, same numbers. `engine_rollouts` takes one seed per response
+(`rollout_seed`), so a response does not depend on what else is in the batch, and always keeps the
+engine's rollout log-probs (`RolloutBatch.rollout_logp`, for verl's rollout-vs-actor metrics).
 
 `text_io` is a tokenizer (text-only causal LM) or a multimodal processor (Qwen3-Omni's thinker): then
 each row's images and audio go through the processor with its prompt, every response row of the batch
@@ -25,6 +29,7 @@ carries its prompt's media tensors (`RolloutBatch.media`), and generation and ev
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +39,8 @@ from torch import Tensor
 
 from omni_core.models import sequence_logprobs
 from omni_core.rewards import score_batch
+from omni_core.rollout.autoregressive import ARengine, ARPrompt
+from omni_core.rollout.engine import RolloutRequest
 from omni_core.training.multimodal import (
     collate_media,
     encode_media_prompts,
@@ -55,8 +62,9 @@ class RolloutBatch:
     # Per row, its prompt's media tensors from a multimodal processor (pixel_values, image_grid_thw,
     # input_features, feature_attention_mask, ...; {} for a text-only prompt); None without a processor.
     media: list[dict[str, Tensor]] | None = None
-    # [B, P + R] log-probs of the response tokens from the logits `generate` sampled them from
-    # (`generate_rollouts(..., keep_logprobs=True)`; verl's rollout_log_probs), 0 elsewhere.
+    # [B, P + R] log-probs of the response tokens from the logits they were sampled from (verl's
+    # rollout_log_probs), 0 elsewhere: always from `engine_rollouts`, from `generate_rollouts` with
+    # keep_logprobs=True; None otherwise.
     rollout_logp: Tensor | None = None
 
     def select(self, index: Tensor) -> RolloutBatch:
@@ -187,6 +195,55 @@ def generate_rollouts(model: torch.nn.Module, tokenizer: Any, prompt_ids: Sequen
         group_ids=torch.arange(len(prompt_ids)).repeat_interleave(n),
         media=row_media,
         rollout_logp=rollout_logp,
+    )
+
+
+def rollout_seed(seed: int, step: int, prompt: int, sample: int) -> int:
+    """The sampling seed of response `sample` of prompt `prompt` (its position in the step's batch) at
+    `step` of a run seeded `seed`: a 63-bit digest of the four, so distinct tuples get unrelated seeds."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{prompt}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def engine_rollouts(engine: ARengine, prompt_ids: Sequence[Sequence[int]], *, n: int, sampling: Sampling,
+                    seeds: Sequence[int], media: Sequence[dict[str, Tensor]] | None = None) -> RolloutBatch:
+    """`n` responses per prompt from a rollout engine (`ARengine`), one request per response with its
+    own seed (`seeds[i * n + j]`: response j of prompt i, e.g. from `rollout_seed`), as a RolloutBatch.
+
+    Same layout as `generate_rollouts`: prompts left-padded, responses right-padded, the response mask
+    on every token up to and including EOS (the engine stops a response at its EOS), each row with its
+    prompt's media (`media` from `encode_prompt_inputs`; None for a tokenizer), and `rollout_logp` the
+    engine's log-probs (log_softmax(logits / T) of the sampled tokens) at the response positions. A
+    response depends only on its prompt, media, sampling, seed and the weights, not on its batch.
+
+    The engine runs the model on its scheduler thread while this call waits: the caller must not run
+    the same model object concurrently.
+    """
+    if len(seeds) != len(prompt_ids) * n:
+        raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts x {n} responses: give one per response")
+    row_media = None if media is None else [m for m in media for _ in range(n)]
+    requests = [RolloutRequest(ARPrompt(list(prompt_ids[row // n]), {} if row_media is None else row_media[row]),
+                               sampling, seed=int(seed)) for row, seed in enumerate(seeds)]
+    results = engine.generate(requests)
+    pad = engine.pad_id
+    prompt_ids_t, prompt_mask = left_pad([prompt_ids[row // n] for row in range(len(results))], pad)
+    width = max(len(r.output) for r in results)
+    response = torch.full((len(results), width), pad, dtype=torch.long)
+    response_mask = torch.zeros((len(results), width), dtype=torch.long)
+    picked = torch.zeros((len(results), width), dtype=torch.float32)
+    for row, result in enumerate(results):
+        length = len(result.output)
+        response[row, :length] = torch.tensor(result.output, dtype=torch.long)
+        response_mask[row, :length] = 1
+        picked[row, :length] = result.logprobs
+    return RolloutBatch(
+        input_ids=torch.cat([prompt_ids_t, response], dim=1),
+        attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
+        response_mask=torch.cat([torch.zeros_like(prompt_mask), response_mask], dim=1),
+        responses=[r.text for r in results],
+        group_ids=torch.arange(len(prompt_ids)).repeat_interleave(n),
+        media=row_media,
+        rollout_logp=torch.cat([torch.zeros_like(prompt_mask, dtype=torch.float32), picked], dim=1),
     )
 
 

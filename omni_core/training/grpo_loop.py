@@ -7,18 +7,31 @@ old, reference and updated log-probs condition on them (see `omni_core.training.
 Plain torch + transformers, no Ray: the Ray actor in `ray_stage` drives it. Each part is a component
 from `omni_core.training.components`; `step` reads top to bottom as the algorithm:
 
-1. rollout: `rollout.n` sampled responses for each of `trainer.batch_size` prompts;
+1. rollout: `rollout.n` sampled responses for each of `trainer.batch_size` prompts, from an `ARengine`
+   (`omni_core.rollout`) on the policy model itself, one seed per response (`rollout_seed` of the
+   run's seed, the step, the prompt's position in the batch and the response's index), so a response
+   does not depend on the other prompts of the batch; `rollout.max_num_seqs` and
+   `rollout.step_execution` set its batching. The engine records each token's log-prob, so every step
+   reports verl's `training/rollout_probs_diff_*` and `training/rollout_actor_probs_pearson_corr`
+   (rollout vs the recomputed old log-probs);
 2. reward: verl's `compute_score(data_source, solution_str, ground_truth, extra_info)` per response;
 3. advantages: GRPO group normalisation (`algorithm.adv_scale`);
 4. old log-probs under the behaviour policy, and reference log-probs when `algorithm.kl_beta > 0`
    (the reference is a frozen copy of the starting policy; k3 KL added as `kl_beta * kl`);
 5. update: `trainer.ppo_epochs` passes in mini-batches of `trainer.ppo_mini_batch_size` prompts,
    one AdamW step each, with the policy loss registered as `algorithm.name` ("grpo", "gspo").
+
+The engine shares the policy model object (no weight copy: it always samples with the current
+weights) and runs it on its scheduler thread while `generate` waits for the results; the trainer must
+not run the model concurrently with a rollout, which holds in this synchronous loop (generate, then
+score, then the log-prob forwards and the update). `close()` stops the engine's thread (also done when
+the trainer is garbage-collected).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -26,6 +39,8 @@ import torch
 from omni_core.algorithms import get_policy_loss, grpo_advantages
 from omni_core.config.models import RLStage
 from omni_core.models import load_model
+from omni_core.rollout.autoregressive import ARengine
+from omni_core.rollout.engine import EngineConfig
 from omni_core.rollout.metrics import rollout_consistency
 from omni_core.training.components import (
     PromptCursor,
@@ -33,10 +48,11 @@ from omni_core.training.components import (
     Sampling,
     build_optimizer,
     encode_prompt_inputs,
+    engine_rollouts,
     frozen_copy,
-    generate_rollouts,
     policy_update,
     rollout_logprobs,
+    rollout_seed,
     score_rollouts,
 )
 
@@ -66,6 +82,15 @@ class GRPOTrainer:
         self.loss_fn = get_policy_loss(stage.algorithm.name)
         self.cursor = PromptCursor(len(rows), seed)
         self.global_step = 0
+        rollout = stage.rollout
+        # the rollout engine samples with self.model itself (module docstring: never run concurrently)
+        self.engine = ARengine(self.model, self.tokenizer, EngineConfig(max_num_seqs=rollout.max_num_seqs,
+                                                                        step_execution=rollout.step_execution))
+        self._close_engine = weakref.finalize(self, self.engine.close)
+
+    def close(self) -> None:
+        """Stop the rollout engine's scheduler thread (idempotent); `generate` fails afterwards."""
+        self._close_engine()
 
     @property
     def sampling(self) -> Sampling:
@@ -73,10 +98,13 @@ class GRPOTrainer:
         return Sampling(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens)
 
     def generate(self, rows: list[dict[str, Any]], step: int) -> RolloutBatch:
+        """`rollout.n` responses to each row from the engine, with the rollout log-probs. Response j of
+        row i is sampled with `rollout_seed(seed, step, i, j)`: it depends on its own prompt, not on the
+        other rows."""
         prompts, media = encode_prompt_inputs(self.tokenizer, rows, self.stage.trainer.max_prompt_tokens)
-        seed = self.seed * 7919 + step  # sampling noise depends on (seed, step) only
-        return generate_rollouts(self.model, self.tokenizer, prompts, media=media, n=self.stage.rollout.n,
-                                 sampling=self.sampling, seed=seed)
+        n = self.stage.rollout.n
+        seeds = [rollout_seed(self.seed, step, i, j) for i in range(len(prompts)) for j in range(n)]
+        return engine_rollouts(self.engine, prompts, media=media, n=n, sampling=self.sampling, seeds=seeds)
 
     def score(self, rows: list[dict[str, Any]], batch: RolloutBatch) -> torch.Tensor:
         results = score_rollouts(rows, batch.responses, self.stage.reward.name, self.stage.rollout.n)
@@ -106,7 +134,8 @@ class GRPOTrainer:
             old_logp = self.logprobs(batch)
             ref_logp = None if self.reference is None else rollout_logprobs(self.reference, batch, temperature)
         t_old = time.perf_counter() - t
-        # verl's training/rollout_* metrics when the rollout kept its own log-probs (keep_logprobs=True)
+        # verl's training/rollout_* metrics: the engine's log-probs vs the recomputed old ones (every step;
+        # absent only if a subclass's `generate` returns a batch without rollout_logp)
         consistency = ({} if batch.rollout_logp is None else
                        rollout_consistency(batch.rollout_logp, old_logp, batch.response_mask))
 
