@@ -6,8 +6,9 @@
   (16 prompts x 4 seeds, as a FlowGRPO group would send them);
 - ar: 64 prompts x 32 new tokens on `tiny://lm` (temperature 1.0).
 Every mode gets the whole workload submitted at once; requests/s is best of `--repeats`, and each
-mode's speed-up is over the serial figure of the same run. Torch runs on one CPU thread (so the
-figures say what batching buys, not how many cores there are). `--quick` uses 16 requests.
+mode's speed-up is over the serial figure of the same run (request_16 and request_64 show where the
+curve flattens). Torch runs on `--threads` CPU threads (default 1, so the figures say what batching
+buys, not how many cores there are). `--quick` uses 16 requests.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODES = {"serial": (1, False), "request_8": (8, False), "request_32": (32, False), "step_32": (32, True)}
+MODES = {"serial": (1, False), "request_8": (8, False), "request_16": (16, False), "request_32": (32, False),
+         "request_64": (64, False), "step_32": (32, True)}
 
 
 def _count(module) -> int:
@@ -91,14 +93,15 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object of the figures last")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=None, help="best of N per mode (default 2, quick 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     requests = 16 if args.quick else 64
     repeats = args.repeats or (1 if args.quick else 2)
-    figures: dict = {"device": args.device, "requests": requests}
+    figures: dict = {"device": args.device, "requests": requests, "threads": args.threads}
     for name, work in (("diffusion", diffusion_work), ("ar", ar_work)):
         build, make, params = work(requests, args.device)
         print(f"{name}: {requests} requests, model parameters {params:,} ({args.device})", flush=True)
