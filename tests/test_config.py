@@ -225,3 +225,9 @@ def test_cli_rl_algorithm_error_is_one_line(tmp_path: Path) -> None:
     ok = omni("validate", str(DPO), cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert yaml.safe_load(ok.stdout)["stages"][1]["algorithm"]["name"] == "dpo"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_pipeline_validates(path: Path) -> None:
+    config = load_pipeline(path)
+    assert config.ordered_stages()  # references, dependency order and per-algorithm options all check out
