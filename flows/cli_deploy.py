@@ -137,9 +137,13 @@ def status_command(
     from dataclasses import asdict
 
     from flows import cli as omni_cli
-    from flows.run_status import run_status
+    from flows.run_status import RunNotFoundError, run_status
 
-    omni_cli.use_embedded_prefect()  # without PREFECT_API_URL: the runs `omni run` recorded under .omni/
+    home = omni_cli.use_embedded_prefect()  # without PREFECT_API_URL: the runs `omni run` recorded under .omni/
+    if home and not Path(home).is_dir():
+        raise RunNotFoundError(f"no pipeline runs recorded in {home}: PREFECT_API_URL is not set, so omni status "
+                               "reads what `omni run` recorded in this directory; run it where you ran `omni run`, "
+                               "or set PREFECT_API_URL")
     status = run_status(run)
     if as_json:
         print(json.dumps(asdict(status), default=str, sort_keys=True))

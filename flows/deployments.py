@@ -40,10 +40,6 @@ class DeploymentSpec:
     pool_type: str | None = None
 
     @property
-    def flow_module(self) -> str:
-        return self.entrypoint.rsplit(":", 1)[0]
-
-    @property
     def schedules(self) -> list[dict[str, Any]]:
         return list(self.raw.get("schedules") or [])
 

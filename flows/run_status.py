@@ -2,7 +2,7 @@
 
 A run is named by its flow-run id or name; without one, the latest started run of the `pipeline`
 flow. Each stage is a task run of that flow run: its state, start, duration and whether its result
-came from the cache.
+came from the stage cache (state `Cached`; the state's message says from where).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 from omni_core.errors import OmniError
 
 PIPELINE_FLOW = "pipeline"
-CACHE_WORDS = ("cache hit", "cached", "reused")
 
 
 class RunNotFoundError(OmniError):
@@ -55,12 +54,10 @@ def _seconds(start: datetime.datetime | None, end: datetime.datetime | None, tot
     return total.total_seconds() if isinstance(total, datetime.timedelta) and total else None
 
 
-def is_cache_hit(state_name: str | None, message: str | None) -> bool:
-    """Prefect names a state read from its cache `Cached`; stages that found their outputs in the
-    store say so in the state's message."""
-    if (state_name or "").lower() == "cached":
-        return True
-    return any(word in (message or "").lower() for word in CACHE_WORDS)
+def is_cache_hit(state_name: str | None) -> bool:
+    """The pipeline's stage task names its state `Cached` when the stage cache had its result (as
+    Prefect does for results from its own cache)."""
+    return (state_name or "").lower() == "cached"
 
 
 def _find_flow_run(client: Any, run: str | None) -> Any:
@@ -131,6 +128,6 @@ def run_status(run: str | None = None) -> RunStatus:
         status.stages.append(StageRow(
             name=task_run.name, state=task_run.state_name or "?", start=task_run.start_time,
             seconds=_seconds(task_run.start_time, task_run.end_time, task_run.total_run_time, task_running),
-            cache_hit=is_cache_hit(task_run.state_name, message), retries=max(task_run.run_count - 1, 0),
+            cache_hit=is_cache_hit(task_run.state_name), retries=max(task_run.run_count - 1, 0),
             message=message))
     return status

@@ -217,7 +217,12 @@ def triggered_run(prefect_server: dict[str, str], deployed, tmp_path_factory: py
 
 
 def test_triggered_run_completes_with_the_changed_parameters(prefect_server: dict[str, str], triggered_run) -> None:
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
 
     run = triggered_run["run"]
     assert run.state.is_completed(), f"{run.state}\n{triggered_run['worker'][-4000:]}"
@@ -229,6 +234,13 @@ def test_triggered_run_completes_with_the_changed_parameters(prefect_server: dic
     store = triggered_run["folder"] / "store"
     version = (store / "datasets/gsm8k/LATEST").read_text().strip()
     assert (store / "datasets/gsm8k" / version / "_manifest.json").exists()
+    with api_client(prefect_server) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[run.id])))
+    kinds = {a.key: a.type for a in artifacts}
+    assert kinds.get("tiny-ingest-summary") == "markdown" and kinds.get("tiny-ingest-metrics") == "table", kinds
+    summary = next(a for a in artifacts if a.key == "tiny-ingest-summary").data
+    assert "ingest" in summary and version in summary
 
 
 def test_scheduler_creates_the_nightly_runs(prefect_server: dict[str, str], deployed) -> None:
@@ -282,6 +294,8 @@ def test_status_prints_the_stage_table_of_a_run(prefect_server: dict[str, str], 
 
 def test_serve_runs_deployments_from_this_machine(prefect_server: dict[str, str], triggered_run) -> None:
     """`omni serve local` replaces the work-pool deployment with a served one and runs what the API asks."""
+    from prefect.exceptions import ObjectNotFound
+
     env = {**os.environ, **prefect_server}
     log = triggered_run["folder"] / "serve.log"
     with open(log, "w") as out:
@@ -291,8 +305,11 @@ def test_serve_runs_deployments_from_this_machine(prefect_server: dict[str, str]
         def served() -> Any:
             if proc.poll() is not None:
                 pytest.fail(f"omni serve exited with {proc.returncode}: {log.read_text()[-3000:]}")
-            with api_client(prefect_server) as client:
-                deployment = client.read_deployment_by_name("pipeline/local")
+            try:
+                with api_client(prefect_server) as client:
+                    deployment = client.read_deployment_by_name("pipeline/local")
+            except ObjectNotFound:  # between the work-pool deployment's removal and the served one's creation
+                return None
             return deployment if deployment.work_pool_name is None else None
 
         deployment = wait_for(served, 120, "omni serve to register pipeline/local")
@@ -301,6 +318,11 @@ def test_serve_runs_deployments_from_this_machine(prefect_server: dict[str, str]
                 deployment.id, parameters=triggered_run["parameters"])
         run = final_flow_run(prefect_server, flow_run.id)
         assert run.state.is_completed(), f"{run.state}\n{log.read_text()[-4000:]}"
+        # the same parameters again: its one stage comes from the stage cache, and status says so
+        status = omni(prefect_server, "status", str(run.id), "--json")
+        assert status.returncode == 0, status.stdout + status.stderr
+        stages = json.loads(status.stdout)["stages"]
+        assert [(s["name"], s["state"], s["cache_hit"]) for s in stages] == [("ingest", "Cached", True)]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)  # what Ctrl+C does to a foreground `omni serve`
