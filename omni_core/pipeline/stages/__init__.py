@@ -1,25 +1,92 @@
-"""Stage kinds: one module each, registered by `kind`. A runner gets (pipeline run, stage, MLflow run id)
-and returns the stage's outputs as plain data (with `reused: True` when no work was needed)."""
+"""Stage kinds: one module each, registered by `kind` with `register_stage`.
+
+A kind is a runner plus what the stage cache and the orchestrator need to know about it:
+
+    @register_stage("ingest", version="1", retries=2, inputs=..., digest=..., verify=..., reuse=...)
+    def run_ingest(ctx: StageContext) -> dict: ...
+
+- `run(ctx)` does the work and returns the outputs as plain JSON data (`reused: True` when it found
+  its work already committed). `ctx.force` asks it to redo work it would otherwise find committed.
+- `inputs(ctx)` digests what the stage reads besides its direct upstream stages' outputs (dataset
+  versions, raw sources, images, seed); part of the cache key. `None`: it cannot tell without doing
+  the work, so the stage always runs (its own content addressing decides what to redo).
+- `digest(outputs)` the content of the outputs that dependents see (part of their keys): versions,
+  weights and image digests, not URIs, timings or `reused`.
+- `verify(ctx, outputs)` whether a recorded result is still in the store (else the stage re-runs).
+- `reuse(ctx, record)` the lineage (MLflow tags, dataset inputs) of a result taken from the cache.
+- `reads(stage)` / `produces(stage)` the dataset keys it reads / writes (to check the graph).
+- `retries` / `retry_delay_s` how orchestrators retry a failed try (never for an OmniError).
+- `volatile_config` config keys that do not change the result (e.g. worker counts): not in the key.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-StageRunner = Callable[[Any, Any, str], dict[str, Any]]
-_RUNNERS: dict[str, StageRunner] = {}
+Runner = Callable[[Any], dict[str, Any]]
 
 
-def register_stage(kind: str) -> Callable[[StageRunner], StageRunner]:
-    def decorate(fn: StageRunner) -> StageRunner:
-        _RUNNERS[kind] = fn
+def _no_inputs(ctx: Any) -> dict[str, Any]:
+    return {}
+
+
+def _outputs_digest(outputs: dict[str, Any]) -> Any:
+    return {k: v for k, v in outputs.items() if k != "reused"}
+
+
+def _still_there(ctx: Any, outputs: dict[str, Any]) -> bool:
+    return True
+
+
+def _nothing(ctx: Any, record: Any) -> None:
+    return None
+
+
+def _none(stage: Any) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class StageKind:
+    kind: str
+    run: Runner
+    version: str = "1"
+    inputs: Callable[[Any], dict[str, Any] | None] = _no_inputs
+    digest: Callable[[dict[str, Any]], Any] = _outputs_digest
+    verify: Callable[[Any, dict[str, Any]], bool] = _still_there
+    reuse: Callable[[Any, Any], None] = _nothing
+    reads: Callable[[Any], list[str]] = _none
+    produces: Callable[[Any], list[str]] = _none
+    retries: int = 0
+    retry_delay_s: float = 2.0
+    volatile_config: frozenset[str] = frozenset()
+
+
+_KINDS: dict[str, StageKind] = {}
+
+
+def register_stage(kind: str, **options: Any) -> Callable[[Runner], Runner]:
+    def decorate(fn: Runner) -> Runner:
+        _KINDS[kind] = StageKind(kind, fn, **options)
         return fn
 
     return decorate
 
 
-def stage_runner(kind: str) -> StageRunner:
-    return _RUNNERS[kind]
+def stage_kind(kind: str) -> StageKind:
+    try:
+        return _KINDS[kind]
+    except KeyError:
+        from omni_core.errors import ConfigError
+
+        raise ConfigError(f"stage kind '{kind}' has no runner (known: {', '.join(sorted(_KINDS))}); "
+                          "add a module to omni_core/pipeline/stages/") from None
+
+
+def stage_runner(kind: str) -> Runner:
+    return stage_kind(kind).run
 
 
 from omni_core.pipeline.stages import build_images, ingest, rl  # noqa: E402,F401  (register the kinds)

@@ -1,53 +1,191 @@
-"""Stage kind `rl`: GRPO/GSPO on a dataset version, inside a Ray actor, ending in a checkpoint."""
+"""Stage kind `rl`: GRPO/GSPO, DPO/MPO or FlowGRPO on a dataset version, in a Ray actor, ending in a
+checkpoint.
+
+Cache inputs: the seed, the dataset version it trains on (from an ancestor ingest stage, else the
+store's LATEST, fixed when the key is computed), the digests of images built upstream, and the bytes
+of a custom reward file (`path.py:function`). The training itself is also keyed (`rl_run_key`): a
+stage whose cache key changed for a reason that does not touch the weights finds its checkpoint
+committed and trains nothing. A retried or re-run stage keeps its keys, so its latest checkpoint is
+where a resumed training picks up.
+"""
 
 from __future__ import annotations
 
+import queue
+import threading
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
-from omni_core.config import RLStage
+from omni_core.config import RayConfig, RLStage
 from omni_core.data import DatasetVersion, load_version
 from omni_core.errors import ConfigError
 from omni_core.lineage import log_dataset_version
+from omni_core.pipeline.report import curve_png
 from omni_core.pipeline.stages import register_stage
 from omni_core.pipeline.stages.build_images import upstream_images
-from omni_core.training import run_rl_stage
+from omni_core.pipeline.watch import StepWatcher
+from omni_core.storage import file_sha256
+from omni_core.training import ensure_ray, rl_run_key, run_rl_stage
+from omni_core.training.checkpoint import LATEST, MANIFEST, checkpoint_prefix, stage_prefix
+
+STEP_METRIC = "timing_s/step"  # every algorithm logs it once per step
+REWARD_METRICS = ("critic/score/mean", "actor/reward_margin", "actor/reward_accuracy")  # first one found
+
+# Ray ties its processes to the thread that starts it (prctl PDEATHSIG): started from a task runner's
+# worker thread, it would die when that pool shuts down at the end of a flow run. So it is started
+# from the main thread, or from a daemon thread that lives until the process ends (not joined at exit,
+# so Ray's own atexit shutdown still finds its processes alive).
+_ray_calls: queue.Queue[tuple[Future, RayConfig]] = queue.Queue()
+_ray_owner_lock = threading.Lock()
+_ray_owner: list[threading.Thread] = []
 
 
-def dataset_for(run: Any, key: str) -> DatasetVersion:
-    """The version an upstream ingest stage produced in this run, else the store's LATEST."""
-    for outcome in run.outcomes.values():
+def _own_ray() -> None:
+    while True:
+        future, config = _ray_calls.get()
+        try:
+            ensure_ray(config)
+            future.set_result(None)
+        except BaseException as exc:  # handed to the caller
+            future.set_exception(exc)
+
+
+def start_ray(config: RayConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if threading.current_thread() is threading.main_thread():
+        ensure_ray(config)
+        return
+    with _ray_owner_lock:
+        if not _ray_owner:
+            _ray_owner.append(threading.Thread(target=_own_ray, name="omni-ray-owner", daemon=True))
+            _ray_owner[0].start()
+    future: Future = Future()
+    _ray_calls.put((future, config))
+    future.result()
+
+
+def data_split(stage: RLStage) -> tuple[str, str]:
+    key, _, split = stage.data.partition(":")
+    return key, split or "train"
+
+
+def dataset_for(ctx: Any, key: str) -> DatasetVersion:
+    """The version the nearest ancestor stage produced, else the store's LATEST."""
+    for outcome in reversed(list(ctx.upstream.values())):
         produced = outcome.outputs.get("datasets", {}).get(key)
         if produced:
-            return load_version(run.store, key, produced["version"])
-    return load_version(run.store, key)
+            return load_version(ctx.store, key, produced["version"])
+    return load_version(ctx.store, key)
 
 
-@register_stage("rl")
-def run_rl(run: Any, stage: RLStage, mlflow_run_id: str) -> dict[str, Any]:
-    key, _, split = stage.data.partition(":")
-    split = split or "train"
-    dv = dataset_for(run, key)
+def reward_file(stage: RLStage) -> Path | None:
+    """The file of a custom `path.py:function` reward the algorithm uses, if any."""
+    if "reward" not in stage.model_dump(mode="json"):
+        return None
+    path, sep, _ = stage.reward.name.rpartition(":")
+    return Path(path) if sep and path.endswith(".py") and Path(path).is_file() else None
+
+
+def rl_inputs(ctx: Any) -> dict[str, Any]:
+    key, split = data_split(ctx.stage)
+    dv = dataset_for(ctx, key)
+    inputs: dict[str, Any] = {
+        "seed": ctx.config.seed, "dataset": {"name": key, "version": dv.version, "split": split},
+        "images": {t: i.get("digest") or i["tag"] for t, i in upstream_images(ctx).items()}}
+    if (path := reward_file(ctx.stage)) is not None:
+        inputs["reward_file_sha256"] = file_sha256(path)
+    return inputs
+
+
+def weights(outputs: dict[str, Any]) -> dict[str, Any]:
+    return {"weights_sha256": outputs["weights_sha256"], "global_step": outputs["global_step"]}
+
+
+def checkpoint_committed(ctx: Any, outputs: dict[str, Any]) -> bool:
+    root = stage_prefix(ctx.config.name, outputs["run_key"], ctx.stage.name)
+    return ctx.store.exists(f"{checkpoint_prefix(root, outputs['global_step'])}/{MANIFEST}")
+
+
+def lineage_tags(ctx: Any, outputs: dict[str, Any]) -> None:
+    for target, image in upstream_images(ctx).items():  # the images this pipeline built for its stages
+        ctx.tracker.set_tags(ctx.mlflow_run_id, {f"omni.image.{target}.ref": image["pinned_ref"],
+                                                 f"omni.image.{target}.digest": image["digest"] or ""})
+    ctx.tracker.set_tags(ctx.mlflow_run_id, {
+        "omni.run_key": outputs["run_key"], "omni.checkpoint_uri": outputs["checkpoint_uri"],
+        "omni.checkpoint_sha256": outputs["weights_sha256"], "omni.cache_hit": str(outputs["reused"]).lower()})
+
+
+def log_reused(ctx: Any, record: Any) -> None:
+    dataset = ctx.inputs["dataset"]
+    log_dataset_version(ctx.tracker, ctx.mlflow_run_id, load_version(ctx.store, dataset["name"], dataset["version"]),
+                        context="training")
+    lineage_tags(ctx, {**record.outputs, "reused": True})
+
+
+def training_run(ctx: Any, run_key: str) -> str | None:
+    """The MLflow run that trained the checkpoint of `run_key` (when this stage found it committed)."""
+    experiment = ctx.tracker.experiment_id(ctx.config.name)
+    runs = ctx.tracker.client.search_runs(
+        [experiment], f"tags.`omni.run_key` = '{run_key}' and tags.`omni.cache_hit` = 'false'",
+        max_results=1, order_by=["attributes.start_time DESC"])
+    return runs[0].info.run_id if runs else None
+
+
+def save_reward_curve(ctx: Any, run_id: str | None) -> dict[str, Any] | None:
+    """The reward per step of the training run as a PNG beside the stage's record, and its points."""
+    for metric in REWARD_METRICS if run_id else ():
+        history = ctx.tracker.client.get_metric_history(run_id, metric)
+        if history:
+            points = sorted({m.step: m.value for m in history}.items())
+            key = ctx.file_key("reward_curve.png")
+            ctx.store.write_bytes(key, curve_png(points, metric, f"{ctx.config.name}: {ctx.stage.name}"))
+            return {"metric": metric, "points": [[s, v] for s, v in points], "key": key, "uri": ctx.store.uri(key),
+                    "mlflow_run_id": run_id}
+    return None
+
+
+@register_stage("rl", version="1", retries=1, retry_delay_s=5.0, inputs=rl_inputs, digest=weights,
+                verify=checkpoint_committed, reuse=log_reused, reads=lambda stage: [data_split(stage)[0]],
+                volatile_config=frozenset({"num_cpus"}))
+def run_rl(ctx: Any) -> dict[str, Any]:
+    stage: RLStage = ctx.stage
+    dataset = ctx.inputs["dataset"]
+    key, split = dataset["name"], dataset["split"]
+    dv = load_version(ctx.store, key, dataset["version"])
     if split not in dv.manifest["splits"]:
         raise ConfigError(f"stages.{stage.name}.data: dataset '{key}' has no split '{split}' "
                           f"(has: {', '.join(dv.manifest['splits'])})")
-    log_dataset_version(run.tracker, mlflow_run_id, dv, context="training")
-    run.tracker.log_params(mlflow_run_id, {
-        "algorithm": stage.algorithm.name, "model": stage.model, "seed": run.config.seed,
+    log_dataset_version(ctx.tracker, ctx.mlflow_run_id, dv, context="training")
+    ctx.tracker.log_params(ctx.mlflow_run_id, {
+        "algorithm": stage.algorithm.name, "model": stage.model, "seed": ctx.config.seed,
         "dataset": f"{key}@{dv.version}:{split}", "rollout.n": stage.rollout.n,
         "trainer.total_steps": stage.trainer.total_steps, "trainer.batch_size": stage.trainer.batch_size,
         "trainer.lr": stage.trainer.lr, "reward": stage.reward.name,
     })
-    result = run_rl_stage(
-        pipeline=run.config.name, stage=stage, seed=run.config.seed, store=run.store,
-        shard_keys=dv.shard_keys(split), dataset_version=dv.version, ray_config=run.config.ray,
-        tracking_uri=run.tracker.tracking_uri, mlflow_run_id=mlflow_run_id, progress=run.progress,
-    )
-    for target, image in upstream_images(run).items():  # the images this pipeline built for its stages
-        run.tracker.set_tags(mlflow_run_id, {f"omni.image.{target}.ref": image["pinned_ref"],
-                                             f"omni.image.{target}.digest": image["digest"] or ""})
-    run.tracker.set_tags(mlflow_run_id, {"omni.run_key": result.run_key, "omni.checkpoint_uri": result.checkpoint_uri,
-                                         "omni.checkpoint_sha256": result.weights_sha256,
-                                         "omni.cache_hit": str(result.reused).lower()})
-    return {"run_key": result.run_key, "global_step": result.global_step, "checkpoint_uri": result.checkpoint_uri,
-            "weights_sha256": result.weights_sha256, "dataset_version": dv.version,
-            "final_metrics": result.final_metrics, "reused": result.reused}
+    if ctx.force:  # train again on purpose: without the pointer the committed checkpoint is not found
+        root = stage_prefix(ctx.config.name, rl_run_key(stage, ctx.config.seed, dv.version), stage.name)
+        ctx.progress(f"stage {stage.name}: --force: training again (uncommitting {root}/{LATEST})")
+        ctx.store.delete(f"{root}/{LATEST}")
+    start_ray(ctx.config.ray)
+    total = stage.trainer.total_steps
+    ctx.on_step(0, total)
+    with StepWatcher(ctx.tracker.tracking_uri, ctx.mlflow_run_id, STEP_METRIC,
+                     lambda step: ctx.on_step(min(step, total), total)):
+        result = run_rl_stage(
+            pipeline=ctx.config.name, stage=stage, seed=ctx.config.seed, store=ctx.store,
+            shard_keys=dv.shard_keys(split), dataset_version=dv.version, ray_config=ctx.config.ray,
+            tracking_uri=ctx.tracker.tracking_uri, mlflow_run_id=ctx.mlflow_run_id, progress=ctx.progress,
+        )
+    ctx.on_step(total, total)
+    outputs = {"run_key": result.run_key, "global_step": result.global_step, "checkpoint_uri": result.checkpoint_uri,
+               "weights_sha256": result.weights_sha256, "dataset_version": dv.version,
+               "final_metrics": result.final_metrics, "reused": result.reused}
+    lineage_tags(ctx, outputs)
+    curve = save_reward_curve(ctx, training_run(ctx, result.run_key) if result.reused else ctx.mlflow_run_id)
+    if curve:
+        ctx.report["reward_curve"] = curve
+    return outputs
