@@ -109,11 +109,16 @@ def validate(
 def run(
     pipeline_file: Annotated[Path, typer.Argument(help="Pipeline YAML file.")],
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides: stages.rl.trainer.total_steps=3")] = None,
+    force: Annotated[list[str] | None, typer.Option("--force", metavar="STAGE",
+                                                    help="Redo this stage although cached (repeatable).")] = None,
 ) -> None:
-    """Run a pipeline end to end (Prefect flow; stages on Ray; lineage in MLflow)."""
+    """Run a pipeline end to end (Prefect flow; stages on Ray; lineage in MLflow). Stages whose config
+    and inputs are unchanged since they last finished are taken from the cache in the store."""
+    from omni_core.pipeline.params import check_force
     from omni_core.storage import Store
 
     config = load_pipeline(pipeline_file, overrides or [])
+    check_force(config, force)
     Store(config.store).check_writable()  # fail in a second, not after starting Prefect and Ray
     prefect_home = use_embedded_prefect()
     console.print(f"[bold]omni[/bold] running pipeline [cyan]{config.name}[/cyan] "
@@ -123,7 +128,7 @@ def run(
     quiet_prefect_tracebacks()
 
     started = time.perf_counter()
-    summary = pipeline(pipeline_file=str(pipeline_file), overrides=list(overrides or []))
+    summary = pipeline(pipeline_file=str(pipeline_file), overrides=list(overrides or []), force=list(force or []))
     print_summary(config, summary, time.perf_counter() - started, prefect_home)
 
 

@@ -1,14 +1,18 @@
-"""The `pipeline` flow: load a pipeline file, then run its stages in dependency order."""
+"""The `pipeline` flow: validate the parameters, then run the stage graph, each stage as soon as its
+`after:` stages have finished (independent stages in parallel), each through the stage cache."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from prefect import flow
+from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
+from prefect.utilities.annotations import quote
 
-from omni_core.config import load_pipeline
-from omni_core.pipeline import PipelineRun
+from omni_core.config import PipelineConfig
+from omni_core.pipeline import PipelineRun, resolve_pipeline
+from tasks.artifacts import publish_run_artifacts
 from tasks.stages import stage_task
 
 
@@ -19,15 +23,50 @@ def _prefect_tags() -> dict[str, str]:
     return tags
 
 
-@flow(name="pipeline", log_prints=True)
-def pipeline(pipeline_file: str, overrides: list[str] | None = None) -> dict[str, Any]:
-    config = load_pipeline(pipeline_file, overrides or [])
-    run = PipelineRun.start(config, tags=_prefect_tags())
-    ok = False
+# Parameters are validated by resolve_pipeline (messages name the stage, not its index), not by Prefect.
+@flow(name="pipeline", log_prints=True, validate_parameters=False)
+def pipeline(pipeline_file: str | None = None, config: PipelineConfig | None = None,
+             overrides: list[str] | None = None, force: list[str] | None = None) -> dict[str, Any]:
+    """Run a pipeline: `pipeline_file` (a YAML path) or `config` (the pipeline inline), with dotted
+    `overrides` (stages.rl.trainer.total_steps=3); `force` names stages to redo although cached."""
+    run = PipelineRun.start(resolve_pipeline(pipeline_file, config, overrides), tags=_prefect_tags(),
+                            force=force or [])
     try:
-        for stage in config.ordered_stages():
-            stage_task(stage)(run, stage.name)
-        ok = True
-    finally:
-        summary = run.finish(ok)
+        futures = run_graph(run)
+    except BaseException:
+        run.finish(ok=False)
+        raise
+    failed = []
+    for name in run.graph.order:
+        future = futures.get(name)
+        if future is None:
+            continue  # not run: downstream of a failure
+        if future.state.is_completed():
+            run.outcomes[name] = future.result()
+        else:
+            run.stage_failed(name, future.result(raise_on_failure=False))
+            failed.append(future)
+    summary = run.finish(ok=not failed)
+    publish_run_artifacts(summary, flow_run.ui_url or "")
+    if failed:
+        failed[0].result()  # raises the first failed stage's error (in dependency order)
     return summary
+
+
+def run_graph(run: PipelineRun) -> dict[str, PrefectFuture]:
+    """Submits each stage once all its `after:` stages completed; never one downstream of a failure.
+    A stage gets its ancestors' outcomes, so its result does not depend on the order siblings finish."""
+    futures: dict[str, PrefectFuture] = {}
+    finished: set[str] = set()
+    while True:
+        done = {name for name in finished if futures[name].state.is_completed()}
+        for name in run.graph.ready(done, started=set(futures)):
+            upstream = {a: futures[a] for a in run.graph.ancestors(name)}
+            # quote: Prefect must not look into the run for upstream results (edges come from `upstream`)
+            futures[name] = stage_task(run.config.stage(name)).submit(quote(run), name, upstream)
+        running = {future: name for name, future in futures.items() if name not in finished}
+        if not running:
+            return futures
+        first = next(as_completed(list(running)))
+        first.wait()  # takes the final state from the task itself, not from the API (which may lag behind)
+        finished.add(running[first])
