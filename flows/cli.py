@@ -54,6 +54,7 @@ def use_embedded_prefect() -> str | None:
     if os.environ.get("PREFECT_API_URL"):
         return None
     home = os.environ.setdefault("PREFECT_HOME", str((OMNI_HOME / "prefect").resolve()))
+    Path(home).mkdir(parents=True, exist_ok=True)  # Prefect does not create it: its SQLite open would fail
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The first start migrates a fresh database; on a busy 2-core machine that can exceed the 20 s default.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
