@@ -108,3 +108,26 @@ def store(request: pytest.FixtureRequest, tmp_path: Path):
         return Store(str(tmp_path / "store"))
     bucket = request.getfixturevalue("s3_bucket")
     return Store(f"s3://{bucket}/omni")
+
+
+# ---- tiny models ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session-wide cache the model test files share: each tiny model is built once."""
+    return tmp_path_factory.getbasetemp() / "omni-model-cache"
+
+
+@pytest.fixture(scope="module")
+def tiny_model_env(model_cache: Path) -> Iterator[Path]:
+    """`$OMNI_CACHE_DIR` set to the shared model cache and torch on one thread (tiny tensors on a
+    busy 2-core machine: more threads only add synchronisation), for one test module."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMNI_CACHE_DIR", str(model_cache))
+        yield model_cache
+    torch.set_num_threads(threads)

@@ -8,7 +8,6 @@ import copy
 import math
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,20 +28,9 @@ except ImportError:  # written in parallel: the same two numbers, computed here
                 "training/rollout_actor_probs_pearson_corr": torch.corrcoef(torch.stack([p, q]))[0, 1].item()}
 
 
-@pytest.fixture(scope="session")
-def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The session-wide cache the model test files share: each tiny model is built once."""
-    return tmp_path_factory.getbasetemp() / "omni-model-cache"
-
-
 @pytest.fixture(scope="module", autouse=True)
-def _env(model_cache: Path) -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_CACHE_DIR", str(model_cache))
-        yield
-    torch.set_num_threads(threads)
+def _env(tiny_model_env: Path) -> None:
+    """Tiny models from the shared cache, one torch thread (conftest.tiny_model_env)."""
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,24 +23,11 @@ CFG = DiffusionSampling(num_steps=STEPS, guidance_scale=4.5)
 N = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def model_cache(tmp_path_factory) -> Path:
-    cache = tmp_path_factory.getbasetemp() / "omni-model-cache"  # shared with the other model test files
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_CACHE_DIR", str(cache))
-        yield cache
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("tiny_model_env")
 
 
 @pytest.fixture(scope="module")
-def model(model_cache) -> SD3Model:
+def model(tiny_model_env) -> SD3Model:
     return load_model("tiny://sd3", seed=0)[0]
 
 

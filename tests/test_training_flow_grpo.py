@@ -30,20 +30,8 @@ SMALL = {"group_size": 2, "prompts_per_step": 2, "num_steps": 4, "eval_num_steps
 
 
 @pytest.fixture(scope="module", autouse=True)
-def model_cache(tmp_path_factory) -> Path:
-    cache = tmp_path_factory.getbasetemp() / "omni-model-cache"  # shared with the other model test files
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_CACHE_DIR", str(cache))
-        yield cache
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A 85k-parameter transformer: more threads only add synchronisation (and CPU contention)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _env(tiny_model_env):
+    """An 85k-parameter transformer from the shared cache, on one thread (conftest.tiny_model_env)."""
 
 
 def sd3(lora: dict | None = None) -> SD3Model:

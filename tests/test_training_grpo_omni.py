@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,22 +32,10 @@ BY_LENGTH = str(Path(__file__).parent / "data" / "rewards.py") + ":by_length"
 LM = "thinker.model.language_model."
 
 
-@pytest.fixture(scope="session")
-def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The session-wide cache the model test files share: each tiny model is built once."""
-    return tmp_path_factory.getbasetemp() / "omni-model-cache"
-
-
 @pytest.fixture(scope="module", autouse=True)
-def _env(model_cache: Path) -> Iterator[None]:
-    """Tiny models and data fixtures in the shared cache; one torch thread (tiny tensors, busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        tiny_model_dir("qwen3-omni", cache_dir=model_cache)
-        mp.setenv("OMNI_CACHE_DIR", str(model_cache))
-        yield
-    torch.set_num_threads(threads)
+def _env(tiny_model_env: Path) -> None:
+    """Tiny models in the shared cache (qwen3-omni built first), one torch thread (conftest.tiny_model_env)."""
+    tiny_model_dir("qwen3-omni", cache_dir=tiny_model_env)
 
 
 @pytest.fixture(scope="module")
