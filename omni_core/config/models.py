@@ -231,6 +231,63 @@ class LoraConfig(Strict):
     target_modules: list[str] | str | None = Field(None, description="Default: the adapter's targets.")
 
 
+class CheckpointConfig(Strict):
+    """When a training stage checkpoints and where a (re)started one picks up (verl's trainer.save_freq,
+    resume_mode, resume_from_path). Not part of the run key: they do not change the weights."""
+
+    save_freq: int = Field(0, ge=0, description="Checkpoint every N steps (and always at the end); 0: only at the end.")
+    max_to_keep: int | None = Field(2, ge=1, description="Committed checkpoints kept (oldest deleted); null: all.")
+    resume_mode: Literal["auto", "disable", "resume_path"] = Field(
+        "auto", description="auto: from the latest committed checkpoint of the run key; disable: from step 0; "
+                            "resume_path: from resume_from_path.")
+    resume_from_path: str | None = Field(None, description="A global_step_N folder (store key or URI) for resume_path.")
+    force_resume: bool = Field(False, description="Resume from a checkpoint written with a different config digest.")
+
+    @model_validator(mode="after")
+    def _path_with_mode(self) -> CheckpointConfig:
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            raise ValueError("resume_mode resume_path needs resume_from_path (a global_step_N folder)")
+        if self.resume_from_path and self.resume_mode != "resume_path":
+            raise ValueError(f"resume_from_path is only read with resume_mode: resume_path (it is {self.resume_mode})")
+        return self
+
+
+class ExecutionConfig(Strict):
+    """How the stage's Ray actors run (REFERENCE.md section 5). `sync`: generate, reward, old log-probs,
+    update, push weights, in sequence. `separate_async`: rollout workers generate the next batches while
+    the trainer updates; batch k is generated with policy version max(0, k - max_staleness) rounded to a
+    version the trainer pushed (every parameter_sync_step steps): up for `wait`, down for `drop`, where a
+    batch staler than max_staleness is dropped. The schedule depends on k only, never on timing."""
+
+    mode: Literal["sync", "separate_async"] = "sync"
+    parameter_sync_step: int = Field(1, ge=1, description="Push weights to the rollout workers every N steps.")
+    max_staleness: int = Field(1, ge=0, description="separate_async: how many policy versions a batch may lag.")
+    staleness_policy: Literal["wait", "drop"] = "wait"
+    async_reward: bool = Field(True, description="Score on reward workers while the next rollout runs; "
+                                                 "false: the rollout worker scores its own batch.")
+    rollout_workers: int = Field(1, ge=1)
+    reward_workers: int = Field(1, ge=1)
+    max_failures: int = Field(3, ge=0, description="Restarts from the latest checkpoint after a lost actor or a "
+                                                   "failed checkpoint write before the stage fails.")
+    retry_backoff_s: float = Field(2.0, ge=0, description="Wait before a restart (doubles each time).")
+
+    @model_validator(mode="after")
+    def _schedule_possible(self) -> ExecutionConfig:
+        if self.mode == "separate_async" and self.staleness_policy == "wait" \
+                and self.parameter_sync_step > self.max_staleness + 1:
+            raise ValueError(
+                f"parameter_sync_step {self.parameter_sync_step} > max_staleness + 1 ({self.max_staleness + 1}) with "
+                "staleness_policy wait: a batch would wait for weights the trainer pushes only after training it; "
+                "raise max_staleness, lower parameter_sync_step, or use staleness_policy drop")
+        return self
+
+
+ROLES = ("trainer", "rollout", "reward")
+# Keys of the stage that change how it runs, not the weights it trains: left out of the run key.
+RUN_KEY_EXCLUDED = frozenset({"name", "after", "num_cpus", "resources", "checkpoint"})
+RUN_KEY_EXCLUDED_EXECUTION = frozenset({"max_failures", "retry_backoff_s"})
+
+
 class RLStage(StageBase):
     kind: Literal["rl"] = "rl"
     model: str = Field("tiny://lm", description="Model URI: tiny://NAME, a save_pretrained folder, s3://..., org/name.")
@@ -246,7 +303,17 @@ class RLStage(StageBase):
     trainer: TrainerConfig = Field(
         default_factory=TrainerConfig,
         description="lr and batch_size default by algorithm: 1e-4/4 (grpo, gspo), 1e-3/8 (dpo, mpo), 3e-4/2 (flow_grpo).")
-    num_cpus: float = Field(1.0, gt=0, description="CPUs reserved for the trainer actor.")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs reserved for the trainer actor (resources.trainer.CPU).")
+    execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    resources: dict[Literal["trainer", "rollout", "reward"], dict[str, Annotated[float, Field(ge=0)]]] = Field(
+        default_factory=dict, description="Ray resources per role, e.g. {rollout: {CPU: 1, GPU: 1}}; defaults: "
+                                          "trainer CPU num_cpus, rollout CPU 1, reward CPU 0.")
+
+    def role_resources(self, role: str) -> dict[str, float]:
+        """The Ray resources of one actor of `role` (CPU plus any GPU / NPU / custom resource)."""
+        default = {"trainer": self.num_cpus, "rollout": 1.0, "reward": 0.0}[role]
+        return {"CPU": default, **self.resources.get(role, {})}  # type: ignore[call-overload]
 
     @model_validator(mode="after")
     def _algorithm_defaults(self) -> RLStage:
@@ -305,6 +372,9 @@ def _rl_stage_problem(stage: RLStage, datasets: dict[str, DatasetConfig]) -> str
         said = "; ".join(f"{s}: {', '.join(k) if k != ALL else 'all'}" for s, k in reads.items()) or "none"
         return (f"{where}.{unused[0]}: not used by {algo} (remove it; {algo} reads {said}; "
                 f"its own options go under algorithm:)")
+    if stage.execution.mode == "separate_async" and algo not in ("grpo", "gspo"):
+        return (f"{where}.execution.mode: separate_async runs rollout workers beside the trainer, for grpo and gspo; "
+                f"{algo} trains in one actor (mode: sync)")
     model_kind = _KNOWN_MODELS.get(stage.model)
     adapter_kind = _KNOWN_ADAPTERS.get(stage.adapter or "")
     if model_kind and adapter_kind and model_kind != adapter_kind:

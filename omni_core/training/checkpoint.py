@@ -8,15 +8,32 @@ a LoRA (peft) model: only adapter_config.json + adapter_model.safetensors) and i
 processor. An `SD3Model` (no `save_pretrained` of its own) is written as the component folder
 `load_model` reads: transformer/ (only the adapter with LoRA), scheduler/, text_encoder/, tokenizer/
 and omni_pipeline.json. The manifest's `weights` names the file of the trained weights.
+
+A checkpoint a run can resume from also holds `state/` (`TrainingState`): the trainable parameters
+(`policy.safetensors`: the whole model, or only the LoRA adapter), the optimizer (`optimizer.pt`, read
+back with `torch.load(weights_only=True)`, never unpickling arbitrary objects), every actor's RNG
+(`rng.safetensors`), the weights of older policy versions that batches still to come are generated
+with (`rollout_version_{v}.safetensors`, separate_async), and `state.json` (global step, policy
+version, data cursor, config digest, the learning-rate schedule). Everything is listed in the
+manifest with its sha256 and verified when loaded.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import re
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from omni_core.errors import OmniError
 from omni_core.storage import Store
 
 MANIFEST = "_manifest.json"
@@ -31,12 +48,51 @@ def checkpoint_prefix(stage_root: str, step: int) -> str:
     return f"{stage_root}/checkpoints/global_step_{step}"
 
 
+class CheckpointError(OmniError):
+    """A checkpoint that cannot be used (another config, missing or corrupt files)."""
+
+
+@dataclass
+class TrainingState:
+    """What resuming needs besides the exported model (module docstring)."""
+
+    policy: dict[str, torch.Tensor]  # trainable parameters by name (full model, or the LoRA adapter)
+    optimizer: dict[str, Any]  # optimizer.state_dict()
+    rng: dict[str, torch.Tensor]  # torch RNG state (uint8) of every actor, by actor name
+    info: dict[str, Any]  # global_step, policy_version, data cursor, config digest, lr schedule, ...
+    rollout_versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+def _state_files(state: TrainingState) -> dict[str, bytes]:
+    buffer = io.BytesIO()
+    torch.save(state.optimizer, buffer)
+    files = {"state/policy.safetensors": save_safetensors(_contiguous(state.policy)),
+             "state/optimizer.pt": buffer.getvalue(),
+             "state/rng.safetensors": save_safetensors(_contiguous(state.rng)),
+             "state/state.json": (json.dumps({**state.info, "rollout_versions": sorted(state.rollout_versions)},
+                                             sort_keys=True, indent=2) + "\n").encode()}
+    for version, weights in state.rollout_versions.items():
+        files[f"state/rollout_version_{version}.safetensors"] = save_safetensors(_contiguous(weights))
+    return files
+
+
+def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous() for k, v in tensors.items()}
+
+
 def save_checkpoint(store: Store, stage_root: str, step: int, model: Any, tokenizer: Any,
-                    metadata: dict[str, Any]) -> dict[str, Any]:
-    """Writes model (safetensors) and tokenizer files, then the manifest, then the latest pointer."""
+                    metadata: dict[str, Any], *, state: TrainingState | None = None,
+                    keep: int | None = None) -> dict[str, Any]:
+    """Writes model (safetensors) and tokenizer files and the training `state`, then the manifest
+    (the commit), then the latest pointer; then deletes all but the newest `keep` committed
+    checkpoints, and any uncommitted (half-written) one older than this."""
     prefix = checkpoint_prefix(stage_root, step)
+    store.delete(prefix)  # the leftovers of an earlier, failed write of this step
     files = []
     with tempfile.TemporaryDirectory(prefix="omni-ckpt-") as tmp:
+        for rel, data in (_state_files(state) if state is not None else {}).items():
+            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(tmp) / rel).write_bytes(data)
         trained = Path(tmp)
         if hasattr(model, "save_pretrained"):
             model.save_pretrained(tmp, safe_serialization=True)
@@ -57,7 +113,74 @@ def save_checkpoint(store: Store, stage_root: str, step: int, model: Any, tokeni
                 "weights": weights[0] if weights else None, **metadata}
     store.write_json(f"{prefix}/{MANIFEST}", manifest)
     store.write_text(f"{stage_root}/{LATEST}", f"{step}\n")
+    prune_checkpoints(store, stage_root, keep=keep, newest=step)
     return manifest
+
+
+_STEP_DIR = re.compile(r"checkpoints/global_step_(\d+)/")
+
+
+def checkpoint_steps(store: Store, stage_root: str) -> dict[int, bool]:
+    """Every global_step_N folder under the stage: N -> committed (has its manifest)."""
+    steps: dict[int, bool] = {}
+    for key in store.list(f"{stage_root}/checkpoints"):
+        match = _STEP_DIR.search(key[len(stage_root):])
+        if match:
+            step = int(match.group(1))
+            steps[step] = steps.get(step, False) or key.endswith(f"/{MANIFEST}")
+    return steps
+
+
+def prune_checkpoints(store: Store, stage_root: str, *, keep: int | None, newest: int) -> list[int]:
+    """Delete committed checkpoints beyond the newest `keep` and uncommitted ones below `newest`;
+    returns the steps deleted."""
+    steps = checkpoint_steps(store, stage_root)
+    committed = sorted((s for s, ok in steps.items() if ok), reverse=True)
+    doomed = [s for s, ok in steps.items() if not ok and s < newest]
+    if keep is not None:
+        doomed += [s for s in committed[keep:] if s != newest]
+    for step in sorted(doomed):
+        store.delete(checkpoint_prefix(stage_root, step))
+    return sorted(doomed)
+
+
+def load_training_state(store: Store, manifest: dict[str, Any]) -> TrainingState:
+    """The `state/` of a committed checkpoint, each file checked against the manifest's sha256."""
+    prefix = store_key(store, manifest["uri"])
+    listed = {f["path"]: f for f in manifest["files"]}
+    if "state/state.json" not in listed:
+        raise CheckpointError(f"checkpoint {manifest['uri']} has no training state (state/): it was written "
+                              "by an older version and can only be used as weights, not resumed from")
+
+    def read(rel: str) -> bytes:
+        data = store.read_bytes(f"{prefix}/{rel}")
+        if hashlib.sha256(data).hexdigest() != listed[rel]["sha256"]:
+            raise CheckpointError(f"checkpoint file {manifest['uri']}/{rel} does not match its manifest sha256; "
+                                  "the checkpoint is corrupt: resume from an earlier one (resume_mode: resume_path)")
+        return data
+
+    info = json.loads(read("state/state.json"))
+    optimizer = torch.load(io.BytesIO(read("state/optimizer.pt")), weights_only=True)
+    return TrainingState(
+        policy=load_safetensors(read("state/policy.safetensors")), optimizer=optimizer,
+        rng=load_safetensors(read("state/rng.safetensors")), info=info,
+        rollout_versions={int(v): load_safetensors(read(f"state/rollout_version_{v}.safetensors"))
+                          for v in info.get("rollout_versions", [])})
+
+
+def store_key(store: Store, uri_or_key: str) -> str:
+    """The key of a URI under `store`'s root (a key is returned as it is)."""
+    root = store.uri("").rstrip("/") + "/"
+    return (uri_or_key[len(root):] if uri_or_key.startswith(root) else uri_or_key).strip("/")
+
+
+def read_manifest(store: Store, path: str) -> dict[str, Any]:
+    """The manifest of a global_step_N folder given as a store key or a URI of this store."""
+    key = store_key(store, path)
+    if not store.exists(f"{key}/{MANIFEST}"):
+        raise CheckpointError(f"{path}: no committed checkpoint there (no {MANIFEST}); give a global_step_N "
+                              "folder of this store whose write finished")
+    return store.read_json(f"{key}/{MANIFEST}")
 
 
 def _save_sd3(model: Any, out: Path) -> Path:

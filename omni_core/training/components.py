@@ -219,23 +219,36 @@ def engine_rollouts(engine: ARengine, prompt_ids: Sequence[Sequence[int]], *, n:
     The engine runs the model on its scheduler thread while this call waits: the caller must not run
     the same model object concurrently.
     """
+    results = engine.generate(rollout_requests(prompt_ids, n=n, sampling=sampling, seeds=seeds, media=media))
+    return assemble_rollouts(prompt_ids, results, n=n, pad_id=engine.pad_id, media=media)
+
+
+def rollout_requests(prompt_ids: Sequence[Sequence[int]], *, n: int, sampling: Sampling, seeds: Sequence[int],
+                     media: Sequence[dict[str, Tensor]] | None = None) -> list[RolloutRequest]:
+    """One `ARengine` request per response: response j of prompt i is request i * n + j, seeded
+    `seeds[i * n + j]`, with its prompt's media."""
     if len(seeds) != len(prompt_ids) * n:
         raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts x {n} responses: give one per response")
+    return [RolloutRequest(ARPrompt(list(prompt_ids[row // n]), {} if media is None else media[row // n]),
+                           sampling, seed=int(seed)) for row, seed in enumerate(seeds)]
+
+
+def assemble_rollouts(prompt_ids: Sequence[Sequence[int]], results: Sequence[Any], *, n: int, pad_id: int,
+                      media: Sequence[dict[str, Tensor]] | None = None) -> RolloutBatch:
+    """The RolloutBatch of the engine results of `rollout_requests` (in request order): each result has
+    `output` (token ids), `logprobs` and `text`. The layout depends only on the results, not on which
+    engine or worker produced them."""
     row_media = None if media is None else [m for m in media for _ in range(n)]
-    requests = [RolloutRequest(ARPrompt(list(prompt_ids[row // n]), {} if row_media is None else row_media[row]),
-                               sampling, seed=int(seed)) for row, seed in enumerate(seeds)]
-    results = engine.generate(requests)
-    pad = engine.pad_id
-    prompt_ids_t, prompt_mask = left_pad([prompt_ids[row // n] for row in range(len(results))], pad)
+    prompt_ids_t, prompt_mask = left_pad([prompt_ids[row // n] for row in range(len(results))], pad_id)
     width = max(len(r.output) for r in results)
-    response = torch.full((len(results), width), pad, dtype=torch.long)
+    response = torch.full((len(results), width), pad_id, dtype=torch.long)
     response_mask = torch.zeros((len(results), width), dtype=torch.long)
     picked = torch.zeros((len(results), width), dtype=torch.float32)
     for row, result in enumerate(results):
         length = len(result.output)
         response[row, :length] = torch.tensor(result.output, dtype=torch.long)
         response_mask[row, :length] = 1
-        picked[row, :length] = result.logprobs
+        picked[row, :length] = torch.as_tensor(result.logprobs, dtype=torch.float32)
     return RolloutBatch(
         input_ids=torch.cat([prompt_ids_t, response], dim=1),
         attention_mask=torch.cat([prompt_mask, response_mask], dim=1),

@@ -70,7 +70,7 @@ class GRPOTrainer:
     """
 
     def __init__(self, stage: RLStage, rows: list[dict[str, Any]], seed: int, *,
-                 model: torch.nn.Module | None = None, tokenizer: Any = None):
+                 model: torch.nn.Module | None = None, tokenizer: Any = None, rollout: bool = True):
         self.stage, self.rows, self.seed = stage, rows, seed
         torch.manual_seed(seed)
         if model is None:
@@ -82,15 +82,18 @@ class GRPOTrainer:
         self.loss_fn = get_policy_loss(stage.algorithm.name)
         self.cursor = PromptCursor(len(rows), seed)
         self.global_step = 0
-        rollout = stage.rollout
-        # the rollout engine samples with self.model itself (module docstring: never run concurrently)
-        self.engine = ARengine(self.model, self.tokenizer, EngineConfig(max_num_seqs=rollout.max_num_seqs,
-                                                                        step_execution=rollout.step_execution))
-        self._close_engine = weakref.finalize(self, self.engine.close)
+        self.engine: ARengine | None = None
+        if rollout:  # else batches come from rollout workers (omni_core.training.runner): `learn` only
+            cfg = stage.rollout
+            # the rollout engine samples with self.model itself (module docstring: never run concurrently)
+            self.engine = ARengine(self.model, self.tokenizer, EngineConfig(max_num_seqs=cfg.max_num_seqs,
+                                                                            step_execution=cfg.step_execution))
+            self._close_engine = weakref.finalize(self, self.engine.close)
 
     def close(self) -> None:
         """Stop the rollout engine's scheduler thread (idempotent); `generate` fails afterwards."""
-        self._close_engine()
+        if self.engine is not None:
+            self._close_engine()
 
     @property
     def sampling(self) -> Sampling:
@@ -101,10 +104,16 @@ class GRPOTrainer:
         """`rollout.n` responses to each row from the engine, with the rollout log-probs. Response j of
         row i is sampled with `rollout_seed(seed, step, i, j)`: it depends on its own prompt, not on the
         other rows."""
+        if self.engine is None:
+            raise RuntimeError("this GRPOTrainer was built with rollout=False: its batches come from rollout workers")
         prompts, media = encode_prompt_inputs(self.tokenizer, rows, self.stage.trainer.max_prompt_tokens)
         n = self.stage.rollout.n
         seeds = [rollout_seed(self.seed, step, i, j) for i in range(len(prompts)) for j in range(n)]
         return engine_rollouts(self.engine, prompts, media=media, n=n, sampling=self.sampling, seeds=seeds)
+
+    def step_rows(self, step: int) -> list[dict[str, Any]]:
+        """The prompts of step `step` (the data order depends on the seed and the step only)."""
+        return [self.rows[i] for i in self.cursor.batch(step, self.stage.trainer.batch_size)]
 
     def score(self, rows: list[dict[str, Any]], batch: RolloutBatch) -> torch.Tensor:
         results = score_rollouts(rows, batch.responses, self.stage.reward.name, self.stage.rollout.n)
@@ -114,20 +123,25 @@ class GRPOTrainer:
         return rollout_logprobs(self.model, batch, self.stage.rollout.temperature)
 
     def step(self) -> dict[str, float]:
-        """One training step; returns verl-named metrics."""
-        algo, trainer = self.stage.algorithm, self.stage.trainer
-        temperature = self.stage.rollout.temperature
+        """One training step (generate, reward, learn); returns verl-named metrics."""
         t_step = time.perf_counter()
-        rows = [self.rows[i] for i in self.cursor.batch(self.global_step, trainer.batch_size)]
-
+        rows = self.step_rows(self.global_step)
         t = time.perf_counter()
         batch = self.generate(rows, self.global_step)
         t_gen = time.perf_counter() - t
-
         t = time.perf_counter()
         rewards = self.score(rows, batch)
-        advantages = grpo_advantages(rewards, batch.group_ids, scale=algo.adv_scale)
         t_reward = time.perf_counter() - t
+        metrics = self.learn(batch, rewards)
+        return {**metrics, "timing_s/gen": t_gen, "timing_s/reward": t_reward,
+                "timing_s/step": time.perf_counter() - t_step}
+
+    def learn(self, batch: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
+        """Advantages, old (and reference) log-probs, the policy update on a scored batch; advances
+        `global_step`. Returns the metrics of those parts (no gen/reward/step timings)."""
+        algo, trainer = self.stage.algorithm, self.stage.trainer
+        temperature = self.stage.rollout.temperature
+        advantages = grpo_advantages(rewards, batch.group_ids, scale=algo.adv_scale)
 
         t = time.perf_counter()
         with torch.no_grad():
@@ -160,9 +174,6 @@ class GRPOTrainer:
             "critic/advantages/mean": advantages.mean().item(),
             "actor/lr": trainer.lr,
             "response_length/mean": lengths.mean().item(),
-            "timing_s/gen": t_gen,
-            "timing_s/reward": t_reward,
             "timing_s/old_log_prob": t_old,
             "timing_s/update_actor": t_update,
-            "timing_s/step": time.perf_counter() - t_step,
         }

@@ -86,8 +86,10 @@ def flow_grpo_config(stage: RLStage) -> Any:
                           lr=t.lr, max_grad_norm=t.max_grad_norm, ppo_epochs=t.ppo_epochs, reward=stage.reward.name)
 
 
-def build_stage_trainer(stage: RLStage, rows: list[dict[str, Any]], seed: int) -> StageTrainer:
-    """Load `stage.model` (adapter, adapter_stage, LoRA) and wrap it in the algorithm's trainer."""
+def build_stage_trainer(stage: RLStage, rows: list[dict[str, Any]], seed: int, *, rollout: bool = True) -> StageTrainer:
+    """Load `stage.model` (adapter, adapter_stage, LoRA) and wrap it in the algorithm's trainer.
+    `rollout=False`: a GRPO/GSPO trainer without its own rollout engine (batches come from rollout
+    workers, `GRPOTrainer.learn`)."""
     name = stage.algorithm.name
     model, text_io = load_model(stage.model, seed=seed, adapter=stage.adapter, stage=stage.adapter_stage,
                                 lora=lora_spec(stage))
@@ -100,7 +102,7 @@ def build_stage_trainer(stage: RLStage, rows: list[dict[str, Any]], seed: int) -
     if name in ("grpo", "gspo"):
         from omni_core.training.grpo_loop import GRPOTrainer
 
-        trainer: Any = GRPOTrainer(stage, rows, seed, model=model, tokenizer=text_io)
+        trainer: Any = GRPOTrainer(stage, rows, seed, model=model, tokenizer=text_io, rollout=rollout)
     elif name in PREFERENCE_ALGORITHMS:
         from omni_core.training.preference import PreferenceTrainer
 

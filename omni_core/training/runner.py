@@ -1,0 +1,347 @@
+"""The driver of a training stage on Ray: schedules rollout, reward and training, checkpoints, and
+restarts the actors from the latest committed checkpoint when one is lost.
+
+Modes (`execution.mode`, REFERENCE.md section 5):
+
+- `sync`: for each step k: the rollout workers generate batch k with the current policy (version k),
+  the reward workers score it, the trainer computes old log-probs and updates, the new weights are
+  pushed. Nothing overlaps.
+- `separate_async`: rollout workers generate ahead while the trainer updates. Batch k is generated with
+  policy version `rollout_version(k)` (a function of k and the config only), so a run's numbers never
+  depend on timing: the driver starts batch k as soon as that version has been pushed. With
+  `async_reward` the reward workers score batch k while the rollout workers move on to batch k + 1.
+
+Policy versions count trainer steps: version v is the policy after v steps. The trainer pushes its
+trainable weights (only the LoRA adapter with LoRA) every `parameter_sync_step` steps.
+
+Checkpoints (`checkpoint.save_freq`, and always at the end) hold the full training state
+(`checkpoint.TrainingState`), including the weights of older versions that batches still to come
+are generated with, so a resumed run generates exactly what the uninterrupted run would have.
+
+Faults: a lost actor (killed, out of memory, its node gone) or a failed checkpoint write (storage
+unreachable) stops the attempt; the driver kills the remaining actors, waits `retry_backoff_s`
+(doubling), starts fresh actors and resumes from the latest committed checkpoint, at most
+`max_failures` times; each recovery is tagged on the stage's MLflow run. A half-written checkpoint
+has no manifest and is never used (and is deleted by the next successful save). A dead driver is the
+caller's to restart (the Prefect task retries): the new driver resumes the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import ObjectLostError, OutOfMemoryError, RayActorError, RayTaskError, WorkerCrashedError
+
+from omni_core.config.models import ExecutionConfig, RLStage
+from omni_core.errors import OmniError, StorageError
+from omni_core.storage import Store
+from omni_core.training.actors import RewardWorker, RolloutWorker, TrainerWorker
+from omni_core.training.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_training_state,
+    read_manifest,
+    stage_prefix,
+)
+
+SPLIT_ALGORITHMS = ("grpo", "gspo")  # rollout on rollout workers; the others step inside the trainer
+_LOST = (RayActorError, OutOfMemoryError, WorkerCrashedError, ObjectLostError)
+
+
+def rollout_version(step: int, execution: ExecutionConfig) -> int:
+    """The policy version batch `step` is generated with (module docstring): `step` in sync mode;
+    in separate_async max(0, step - max_staleness) rounded to a pushed version (a multiple of
+    parameter_sync_step): up with staleness_policy wait, down with drop."""
+    if execution.mode == "sync":
+        return step
+    lag, every = max(0, step - execution.max_staleness), execution.parameter_sync_step
+    return -(-lag // every) * every if execution.staleness_policy == "wait" else lag // every * every
+
+
+def is_dropped(step: int, execution: ExecutionConfig) -> bool:
+    """With staleness_policy drop, a batch staler than max_staleness is generated but not trained on."""
+    return (execution.mode == "separate_async" and execution.staleness_policy == "drop"
+            and step - rollout_version(step, execution) > execution.max_staleness)
+
+
+class Recoverable(OmniError):
+    """An attempt ended by a fault the runner restarts from (lost actor, storage error)."""
+
+
+@dataclass
+class StageRun:
+    """What a stage run trains and where it writes (plain data: picklable into a Ray Job)."""
+
+    pipeline: str
+    stage: RLStage
+    seed: int
+    store: Store
+    rows: list[dict[str, Any]]
+    dataset_version: str
+    run_key: str
+    config_digest: str
+    tracker: Any = None  # omni_core.lineage.Tracker; None: no MLflow logging
+    mlflow_run_id: str | None = None
+    progress: Callable[[str], None] = print
+    on_step: Callable[[int, dict[str, float]], None] | None = None  # after each step (tests, benchmarks)
+    metrics: list[dict[str, float]] = field(default_factory=list)  # per step of the last attempt
+
+
+@dataclass
+class _Attempt:
+    trainer: Any
+    rollout: list[Any]
+    reward: list[Any]
+
+    def actors(self) -> list[Any]:
+        return [self.trainer, *self.rollout, *self.reward]
+
+
+class StageRunner:
+    """`run()` trains `run.stage` from where its checkpoints say, surviving lost actors."""
+
+    def __init__(self, run: StageRun):
+        self.run_ = run
+        self.stage = run.stage
+        self.root = stage_prefix(run.pipeline, run.run_key, run.stage.name)
+        self.recoveries = 0
+        self.attempt: _Attempt | None = None
+
+    # ---- public --------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Train to `trainer.total_steps`; returns the final checkpoint's manifest (with `metrics`)."""
+        execution = self.stage.execution
+        while True:
+            try:
+                return self._attempt(first=self.recoveries == 0)
+            except Recoverable as exc:
+                self.recoveries += 1
+                self._stop()
+                if self.recoveries > execution.max_failures:
+                    raise OmniError(f"stage {self.stage.name}: gave up after {execution.max_failures} restart(s); "
+                                    f"last fault: {exc}") from exc
+                wait = execution.retry_backoff_s * 2 ** (self.recoveries - 1)
+                self._log_recovery(str(exc))
+                self.run_.progress(f"stage {self.stage.name}: {exc}; restart {self.recoveries}/"
+                                   f"{execution.max_failures} from the latest checkpoint in {wait:.0f}s")
+                time.sleep(wait)
+            finally:
+                if self.attempt is not None:
+                    self._stop()
+
+    def actor_pids(self) -> dict[str, int]:
+        """The process id of each live actor (`trainer`, `rollout_0`, `reward_0`, ...)."""
+        if self.attempt is None:
+            return {}
+        names = ["trainer", *[f"rollout_{i}" for i in range(len(self.attempt.rollout))],
+                 *[f"reward_{i}" for i in range(len(self.attempt.reward))]]
+        return dict(zip(names, ray.get([a.pid.remote() for a in self.attempt.actors()]), strict=True))
+
+    # ---- one attempt -------------------------------------------------------------------------
+
+    def _attempt(self, *, first: bool) -> dict[str, Any]:
+        try:
+            return self._train(first)
+        except RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, StorageError):
+                raise Recoverable(f"storage error in an actor: {cause}") from exc
+            if isinstance(cause, OmniError):  # a user-fixable error inside an actor: show it as such
+                raise cause from None
+            if isinstance(cause, _LOST):
+                raise Recoverable(f"{type(cause).__name__}: {_first_line(cause)}") from exc
+            raise
+        except _LOST as exc:
+            raise Recoverable(f"lost an actor ({type(exc).__name__}: {_first_line(exc)})") from exc
+        except StorageError as exc:
+            raise Recoverable(f"storage error: {exc}") from exc
+
+    def _start(self) -> _Attempt:
+        stage, run = self.stage, self.run_
+        rows = ray.put(run.rows)
+        spec = stage.model_dump(mode="json")
+        split = stage.algorithm.name in SPLIT_ALGORITHMS
+        ex = stage.execution
+        trainer = TrainerWorker.options(**_options(stage.role_resources("trainer"))).remote(spec, run.seed, rows)
+        rollout = [RolloutWorker.options(**_options(stage.role_resources("rollout"))).remote(
+            spec, run.seed, rows, i, ex.rollout_workers) for i in range(ex.rollout_workers if split else 0)]
+        reward = [RewardWorker.options(**_options(stage.role_resources("reward"))).remote(spec, run.seed, rows)
+                  for _ in range(ex.reward_workers if split and ex.async_reward else 0)]
+        self.attempt = _Attempt(trainer, rollout, reward)
+        ray.get([a.pid.remote() for a in self.attempt.actors()])  # constructed (models loaded)
+        return self.attempt
+
+    def _stop(self) -> None:
+        if self.attempt is not None:
+            for actor in self.attempt.actors():
+                ray.kill(actor)
+            self.attempt = None
+
+    def _resume_manifest(self, first: bool) -> dict[str, Any] | None:
+        cfg, store = self.stage.checkpoint, self.run_.store
+        if first and cfg.resume_mode == "disable":
+            return None
+        manifest = (read_manifest(store, cfg.resume_from_path) if first and cfg.resume_mode == "resume_path"
+                    else latest_checkpoint(store, self.root))
+        if manifest is None:
+            return None
+        if manifest.get("config_digest") != self.run_.config_digest and not cfg.force_resume:
+            raise CheckpointError(
+                f"checkpoint {manifest['uri']} was written with config digest {manifest.get('config_digest')}, "
+                f"this stage's is {self.run_.config_digest} (another model, data, algorithm or seed); "
+                "resume from a checkpoint of this config, set checkpoint.resume_mode: disable to start over, "
+                "or checkpoint.force_resume: true to load it anyway")
+        return manifest
+
+    def _train(self, first: bool) -> dict[str, Any]:
+        stage, run, ex = self.stage, self.run_, self.stage.execution
+        total = stage.trainer.total_steps
+        manifest = self._resume_manifest(first)
+        attempt = self._start()
+        published: dict[int, Any] = {0: None}  # version -> ObjectRef of its weights (None: the initial ones)
+        start = 0
+        if manifest is not None:
+            state = load_training_state(run.store, manifest)
+            start = state.info["global_step"]
+            python_rng = state.info.get("python_rng", {})
+            ray.get([attempt.trainer.restore.remote(state.policy, state.optimizer, start, state.rng["trainer"],
+                                                    python_rng.get("trainer"))])
+            named = self._named_workers()
+            ray.get([actor.set_rng.remote(state.rng[name], python_rng.get(name))
+                     for name, actor in named.items() if name in state.rng])
+            published = {0: None, start: ray.put(state.policy),
+                         **{v: ray.put(w) for v, w in state.rollout_versions.items()}}
+            run.progress(f"stage {stage.name}: resuming at step {start}/{total} from {manifest['uri']}")
+        if start >= total and manifest is not None:
+            return {**manifest, "metrics": manifest.get("final_metrics", {})}
+        split = stage.algorithm.name in SPLIT_ALGORITHMS
+        worker_version = [0] * len(attempt.rollout)
+        pending: dict[int, tuple[list[Any], list[Any]]] = {}
+        next_batch = start
+        run.metrics = []
+
+        def launch_ready() -> None:
+            nonlocal next_batch
+            while split and next_batch < total and rollout_version(next_batch, ex) in published:
+                version = rollout_version(next_batch, ex)
+                parts = []
+                for i, worker in enumerate(attempt.rollout):
+                    weights = published[version] if worker_version[i] != version else None
+                    worker_version[i] = version
+                    parts.append(worker.generate.remote(next_batch, version, weights, not attempt.reward))
+                scores = ([attempt.reward[i % len(attempt.reward)].score.remote(next_batch, part)
+                           for i, part in enumerate(parts)] if attempt.reward else parts)
+                pending[next_batch] = (parts, scores)
+                next_batch += 1
+
+        metrics: dict[str, float] = {}
+        last = time.perf_counter()
+        manifest_out: dict[str, Any] | None = None
+        for step in range(start, total):
+            launch_ready()
+            if split:
+                parts, scores = pending.pop(step)
+                learned = attempt.trainer.learn.remote(step, is_dropped(step, ex), len(parts), *parts, *scores)
+                launch_ready()  # batches whose version is already out start while the trainer trains
+                metrics = dict(ray.get(learned))
+                metrics.update(self._rollout_metrics(step, parts, scores))
+            else:
+                metrics = dict(ray.get(attempt.trainer.step_colocated.remote(step)))
+            version = step + 1
+            if split and (ex.mode == "sync" or version % ex.parameter_sync_step == 0):
+                published[version] = attempt.trainer.weights.remote()
+            needed = {rollout_version(k, ex) for k in range(version, total)}
+            for old in [v for v in published if v < min(needed, default=version)]:
+                del published[old]
+            if version == total or (stage.checkpoint.save_freq and version % stage.checkpoint.save_freq == 0):
+                manifest_out = self._save(version, metrics, sorted(v for v in needed if v < version and published.get(v)),
+                                          published)
+                metrics["timing_s/save_checkpoint"] = manifest_out["save_s"]
+            now = time.perf_counter()
+            metrics["timing_s/step"] = now - last
+            last = now
+            run.metrics.append(metrics)
+            self._log(version, metrics)
+            if run.on_step is not None:
+                run.on_step(version, metrics)
+        assert manifest_out is not None  # the last step always saves
+        return {**manifest_out, "metrics": metrics}
+
+    def _named_workers(self) -> dict[str, Any]:
+        attempt = self.attempt
+        assert attempt is not None
+        return {**{f"rollout_{i}": a for i, a in enumerate(attempt.rollout)},
+                **{f"reward_{i}": a for i, a in enumerate(attempt.reward)}}
+
+    def _rollout_metrics(self, step: int, parts: list[Any], scores: list[Any]) -> dict[str, float]:
+        ex = self.stage.execution
+        got_parts = ray.get(parts)
+        got_scores = ray.get(scores)
+        samples = sum(len(p["results"]) for p in got_parts)
+        staleness = step - got_parts[0]["version"]
+        return {
+            "timing_s/gen": max(p["gen_s"] for p in got_parts),
+            "timing_s/reward": max(s["reward_s"] for s in got_scores),
+            "timing_s/update_weights": max(p["update_weights_s"] for p in got_parts),
+            "training/off_policy/staleness_mean": float(staleness),
+            "training/off_policy/dropped_samples": float(samples if is_dropped(step, ex) else 0),
+            "training/policy_version": float(got_parts[0]["version"]),
+        }
+
+    def _save(self, step: int, metrics: dict[str, float], versions: list[int], published: dict[int, Any],
+              ) -> dict[str, Any]:
+        run, stage = self.run_, self.stage
+        named = self._named_workers()
+        rngs = dict(zip(named, ray.get([a.rng.remote() for a in named.values()]), strict=True))
+        metadata = {"run_key": run.run_key, "stage": stage.name, "seed": run.seed,
+                    "dataset_version": run.dataset_version, "model": stage.model,
+                    "algorithm": stage.algorithm.name, "final_metrics": metrics,
+                    "config_digest": run.config_digest, "mode": stage.execution.mode}
+        info = {"policy_version": step, "data_cursor": {"next_step": step}, "config_digest": run.config_digest,
+                "seed": run.seed, "lr_schedule": {"type": "constant", "lr": stage.trainer.lr}}
+        manifest = ray.get(self.attempt.trainer.save.remote(  # type: ignore[union-attr]
+            run.store.root, self.root, metadata, info, rngs, stage.checkpoint.max_to_keep, versions,
+            *[published[v] for v in versions]))
+        run.progress(f"stage {stage.name}: checkpoint global_step_{step} committed ({manifest['uri']})")
+        return manifest
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        run = self.run_
+        if run.tracker is not None and run.mlflow_run_id:
+            run.tracker.log_metrics(run.mlflow_run_id, metrics, step=step, timestamp_ms=int(time.time() * 1000))
+        from omni_core.training.stage_trainers import PROGRESS_METRICS
+
+        shown = [f"{label}={metrics[key]:.4g}" for key, label in PROGRESS_METRICS[self.stage.algorithm.name]
+                 if key in metrics]
+        run.progress(f"[{self.stage.name}] step {step}/{self.stage.trainer.total_steps}  "
+                     + "  ".join([*shown, f"{metrics['timing_s/step']:.2f}s"]))
+
+    def _log_recovery(self, message: str) -> None:
+        run = self.run_
+        if run.tracker is None or not run.mlflow_run_id:
+            return
+        run.tracker.set_tags(run.mlflow_run_id, {"omni.recoveries": str(self.recoveries),
+                                                 f"omni.recovery.{self.recoveries}": message[:4000]})
+        run.tracker.log_metrics(run.mlflow_run_id, {"training/recoveries": float(self.recoveries)},
+                                step=len(run.metrics), timestamp_ms=int(time.time() * 1000))
+
+
+def _options(resources: dict[str, float]) -> dict[str, Any]:
+    """Ray actor options of a role's resources: CPU and GPU by name, the rest (NPU, ...) as custom."""
+    out: dict[str, Any] = {"num_cpus": resources.get("CPU", 0.0), "max_restarts": 0}
+    if resources.get("GPU"):
+        out["num_gpus"] = resources["GPU"]
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU") and v}
+    if custom:
+        out["resources"] = custom
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
