@@ -42,20 +42,24 @@ def requests(sampling: DiffusionSampling = CFG, n: int = N) -> list[RolloutReque
 
 
 class Forwards:
-    """Records the batch size and the per-sample timesteps of every transformer forward."""
+    """Records the batch size and the per-sample timesteps of every transformer forward (at
+    `SD3Model._forward`: the engine's inference forward does not go through the module's hooks)."""
 
     def __init__(self, model: SD3Model):
         self.calls: list[tuple[int, torch.Tensor]] = []
-        self.hook = model.transformer.register_forward_pre_hook(self._record, with_kwargs=True)
+        self.model, self.plain = model, model._forward
 
-    def _record(self, module, args, kwargs):
-        self.calls.append((kwargs["hidden_states"].shape[0], kwargs["timestep"].clone()))
+        def record(x, timestep, text, *args):
+            self.calls.append((x.shape[0], timestep.clone()))
+            return self.plain(x, timestep, text, *args)
+
+        model._forward = record
 
     def __enter__(self) -> Forwards:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.hook.remove()
+        del self.model._forward
 
 
 def generate(model: SD3Model, config: EngineConfig, reqs: list[RolloutRequest], stagger: bool = False):
@@ -68,7 +72,7 @@ def generate(model: SD3Model, config: EngineConfig, reqs: list[RolloutRequest], 
         for k in range(0, len(reqs), 2):
             futures += [engine.submit(r) for r in reqs[k : k + 2]]
             deadline = time.monotonic() + 30
-            while engine.stats["forwards"] < k // 2 + 1 and time.monotonic() < deadline:
+            while engine.stats["forwards"] < k // 2 + 1 and time.monotonic() < deadline:  # steps taken
                 time.sleep(0.0005)
         return [f.result(60) for f in futures], fw.calls
 
@@ -190,5 +194,55 @@ def test_submitting_from_threads_matches_serial(model):
             t.start()
         for t in threads:
             t.join()
-        assert engine.stats["forwards"] == 1  # one batch (the engine counts batches run)
+        assert engine.stats["batches"] == 1 and engine.stats["max_batch"] == 4  # one batch of all four
+        assert engine.stats["forwards"] == 2  # one transformer forward per denoising step
     assert_same([results[r.request_id] for r in reqs], alone)
+
+
+def test_inference_forward_is_the_plain_forward(model):
+    """`sd3_inference_forward` (the engine's default) is the diffusers forward up to float rounding: per
+    sample timesteps and text, a LoRA adapter with nonzero weights, and it is taken (not a fallback);
+    with autograd on, `velocity` runs the plain forward."""
+    from omni_core.models.diffusion import sd3_inference_forward
+    from omni_core.models.lora import LoraSpec, apply_lora
+
+    gen = torch.Generator().manual_seed(0)
+    x, t = torch.randn((3, 3, 32, 32), generator=gen), torch.tensor([1000.0, 500.0, 31.0])
+    with DiffusionEngine(model) as engine:
+        text = engine.encode([PROMPTS[0], "", PROMPTS[2]])
+
+    def both(transformer):
+        with torch.no_grad():
+            plain = transformer(hidden_states=x, encoder_hidden_states=text.embeds, pooled_projections=text.pooled,
+                                timestep=t, return_dict=False)[0]
+            fast = sd3_inference_forward(transformer, x, t, text.embeds, text.pooled)
+        assert fast is not None
+        torch.testing.assert_close(fast, plain, atol=1e-6, rtol=0)
+        return fast
+
+    base = both(model.transformer)
+    import copy
+
+    lora = apply_lora(copy.deepcopy(model.transformer), LoraSpec(rank=4, alpha=8),
+                      ["to_q", "to_k", "to_v", "add_k_proj", "add_q_proj", "proj", "proj_out"])
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=gen)
+    adapted = both(lora)
+    assert not torch.allclose(adapted, base, atol=1e-3)
+    with lora.disable_adapter(), torch.no_grad():
+        torch.testing.assert_close(sd3_inference_forward(lora, x, t, text.embeds, text.pooled), base, atol=1e-6, rtol=0)
+
+    x.requires_grad_(True)  # with autograd: the plain forward, gradients flow
+    v = model.velocity(x, t / 1000, text, inference_kernels=True)
+    v.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_engine_inference_kernels_match_the_plain_forward(model):
+    reqs = requests()
+    fast, _ = generate(model, EngineConfig(max_num_seqs=8), reqs)
+    with DiffusionEngine(model, EngineConfig(max_num_seqs=1), inference_kernels=False) as engine:
+        plain = engine.generate(reqs)
+    assert_same(fast, plain)

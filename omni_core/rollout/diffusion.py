@@ -110,13 +110,15 @@ def denoise_step(
     sampling: DiffusionSampling,
     generators: Sequence[torch.Generator],
     noise_buffer: Tensor | None = None,
+    inference_kernels: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One denoising step of the batch x [B, C, H, W] from noise level `sigma` to `sigma_next` (scalars
     or one per sample): (x_next, log_prob [B], mean). One transformer forward (True-CFG: [uncond; cond]
     in it when sampling.guidance_scale != 1); SDE noise from `generators[i]` for sample i. With
-    noise_level 0 it is the Euler ODE step, log_prob nan and no noise drawn."""
+    noise_level 0 it is the Euler ODE step, log_prob nan and no noise drawn. `inference_kernels`: see
+    `SD3Model.velocity` (the engine's forwards; equal to the plain forward up to float rounding)."""
     v = model.velocity(x, sigma, cond, uncond=uncond if sampling.cfg else None,
-                       guidance_scale=sampling.guidance_scale)
+                       guidance_scale=sampling.guidance_scale, inference_kernels=inference_kernels)
     if sampling.noise_level > 0:
         noise = draw_noise(generators, x.shape[1:], x.device, out=noise_buffer)
         x_next, log_prob, mean, _ = flow_sde_step(
@@ -150,9 +152,11 @@ def sample_trajectories(
     seeds: Sequence[int],
     sampling: DiffusionSampling,
     sigmas: Tensor | None = None,
+    inference_kernels: bool = False,
 ) -> Trajectories:
     """Sample one trajectory per row of `cond` with noise seed `seeds[i]`: the initial noise, then
-    `sampling.num_steps` `denoise_step`s of the whole batch (one forward each)."""
+    `sampling.num_steps` `denoise_step`s of the whole batch (one forward each; `inference_kernels`:
+    see `denoise_step`)."""
     if len(cond) != len(seeds):
         raise ValueError(f"{len(cond)} prompt embeddings but {len(seeds)} seeds")
     device = model.device
@@ -169,7 +173,7 @@ def sample_trajectories(
     latents[:, 0] = x
     for j in range(steps):
         x, log_probs[:, j], means[:, j] = denoise_step(
-            model, x, sigmas[j], sigmas[j + 1], cond, uncond, sampling, generators, noise_buffer
+            model, x, sigmas[j], sigmas[j + 1], cond, uncond, sampling, generators, noise_buffer, inference_kernels
         )
         latents[:, j + 1] = x
     return Trajectories(latents=latents, log_probs=log_probs, means=means, sigmas=sigmas)
@@ -198,11 +202,15 @@ class DiffusionEngine(RolloutEngine):
     seed)`. Compatible requests share size, steps, guidance, noise level and SDE type (the negative
     prompt may differ: it is per-sample conditioning). Prompt encodings are cached (LRU,
     `prompt_cache_size` texts): a FlowGRPO group shares its prompt, every request its negative prompt.
-    `load_weights` takes transformer state-dict entries (all of them, or only the LoRA adapter's)."""
+    `load_weights` takes transformer state-dict entries (all of them, or only the LoRA adapter's).
+    `inference_kernels` (default on): forwards through `omni_core.models.diffusion.sd3_inference_forward`
+    (same modules and math in fewer passes; equal to the plain forward up to float rounding, ~1e-7);
+    False runs the plain diffusers forward. `stats["forwards"]` counts transformer forwards."""
 
     def __init__(self, model: SD3Model, config: EngineConfig | None = None, *, prompt_cache_size: int = 256,
-                 return_prompt_embeds: bool = True):
+                 return_prompt_embeds: bool = True, inference_kernels: bool = True):
         self.model = model
+        self.inference_kernels = inference_kernels
         self.prompt_cache_size = prompt_cache_size
         self.return_prompt_embeds = return_prompt_embeds
         self._prompt_cache: OrderedDict[str, tuple[Tensor, Tensor]] = OrderedDict()
@@ -270,7 +278,9 @@ class DiffusionEngine(RolloutEngine):
         cond = self.encode([r.prompt for r in requests])
         uncond = self.encode([r.sampling.negative_prompt for r in requests]) if sampling.cfg else None
         sigmas = self.sigmas(sampling.num_steps)
-        traj = sample_trajectories(self.model, cond, uncond, [r.seed for r in requests], sampling, sigmas)
+        traj = sample_trajectories(self.model, cond, uncond, [r.seed for r in requests], sampling, sigmas,
+                                   inference_kernels=self.inference_kernels)
+        self.stats["forwards"] += sampling.num_steps
         return [  # clones: a result must not pin (or, pickled, carry) the whole batch's storage
             self._result(r, sampling, traj.latents[i].clone(), traj.log_probs[i].clone(), traj.means[i].clone(), sigmas,
                          PromptEmbeds(cond.embeds[i : i + 1], cond.pooled[i : i + 1]),
@@ -308,7 +318,8 @@ class DiffusionEngine(RolloutEngine):
         cond = PromptEmbeds.cat([s.cond for s in states])
         uncond = PromptEmbeds.cat([s.uncond for s in states]) if first.sampling.cfg else None  # type: ignore[misc]
         x_next, log_prob, mean = denoise_step(self.model, x, sigma, sigma_next, cond, uncond, first.sampling,
-                                              [s.generator for s in states])
+                                              [s.generator for s in states], inference_kernels=self.inference_kernels)
+        self.stats["forwards"] += 1
         for i, s in enumerate(states):
             s.latents[s.j + 1] = x_next[i]
             s.log_probs[s.j] = log_prob[i]

@@ -13,6 +13,11 @@ thread owns the model and decides what runs together:
 An engine implements the hooks of the mode(s) it supports: `run_requests` for request-level,
 `start` / `step` / `finish` for step-level. Results must not depend on what a request was batched
 with: every random draw comes from the request's own `seed`.
+
+`stats`: "batches" = what the scheduler ran (request-level batches, step-level groups of compatible
+requests stepped together), "max_batch" = the most requests in one of them, "forwards" = model
+forwards as the engine counts them (`DiffusionEngine`: transformer forwards, one per denoising step of
+a batch, True-CFG's two branches in that one forward); an engine that does not count them leaves 0.
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ class RolloutEngine:
         if self.config.step_execution and not self.supports_step_execution:
             raise ConfigError(f"{type(self).__name__} does not support step_execution=true")
         self.policy_version = 0
-        self.stats = {"forwards": 0, "max_batch": 0}
+        self.stats = {"batches": 0, "forwards": 0, "max_batch": 0}
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # held while the model runs: weights change only between batches
         self._closed = False
@@ -269,5 +274,5 @@ class RolloutEngine:
             p.future.set_result(result)
 
     def _count(self, batch_size: int) -> None:
-        self.stats["forwards"] += 1
+        self.stats["batches"] += 1
         self.stats["max_batch"] = max(self.stats["max_batch"], batch_size)
