@@ -59,10 +59,25 @@ class Converter:
         """One output row (media embedded as bytes); raise RowRejected or RowSkipped(reason) otherwise."""
         raise NotImplementedError
 
+    def convert_batch(self, table: pa.Table, split: str, first_index: int, raw: RawSource) -> BatchConverted | None:
+        """Optional columnar `convert` of a chunk's raw rows (`first_index`: the first row's index in
+        the split): the same output rows and rejections as calling `convert` on each record, built
+        from Arrow arrays (media columns reuse the raw buffers). None: use `convert` row by row."""
+        return None
+
     def chunks(self, raw: RawSource, split: str) -> list[Chunk] | None:
         """Independent pieces of a split that a worker can read by itself (so raw bytes never cross
         processes), in order; None when the layout cannot be split (records are then read here)."""
         return None
+
+
+@dataclass(frozen=True)
+class BatchConverted:
+    """What `Converter.convert_batch` made of a chunk: the kept rows in input order, and the rows
+    it rejected as (offset within the chunk, reason)."""
+
+    table: pa.Table
+    rejected: list[tuple[int, str]]
 
 
 @dataclass(frozen=True)
@@ -86,11 +101,11 @@ class Chunk:
             yield self.rel, self.first_row + offset, record
 
 
-def _is_binary(t: pa.DataType) -> bool:
+def is_binary_type(t: pa.DataType) -> bool:
     return pa.types.is_binary(t) or pa.types.is_large_binary(t)
 
 
-def _binary_values(array: pa.Array) -> list[memoryview | None]:
+def binary_values(array: pa.Array) -> list[memoryview | None]:
     """Each value as a slice of the array's data buffer (scalar `as_buffer()` would copy it)."""
     _, offsets_buffer, data = array.buffers()
     width = np.int64 if pa.types.is_large_binary(array.type) else np.int32
@@ -109,15 +124,15 @@ def table_records(table: pa.Table) -> list[dict[str, Any]]:
     table copies them (once, into reused Arrow memory).
     """
     media = [f.name for f in table.schema
-             if _is_binary(f.type) or (pa.types.is_struct(f.type) and any(_is_binary(c.type) for c in f.type))]
+             if is_binary_type(f.type) or (pa.types.is_struct(f.type) and any(is_binary_type(c.type) for c in f.type))]
     records = table.drop_columns(media).to_pylist() if media else table.to_pylist()
     for name in media:
         values: list[Any] = []
         for chunk in table.column(name).chunks:
-            if _is_binary(chunk.type):
-                values += _binary_values(chunk)
+            if is_binary_type(chunk.type):
+                values += binary_values(chunk)
                 continue
-            fields = {f.name: (_binary_values(chunk.field(f.name)) if _is_binary(f.type)
+            fields = {f.name: (binary_values(chunk.field(f.name)) if is_binary_type(f.type)
                                else chunk.field(f.name).to_pylist()) for f in chunk.type}
             valid = chunk.is_valid().to_pylist()
             values += [{k: v[i] for k, v in fields.items()} if valid[i] else None for i in range(len(chunk))]

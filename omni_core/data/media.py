@@ -13,12 +13,33 @@ import struct
 import wave
 import zlib
 
+import numpy as np
 import pyarrow as pa
 from PIL import Image, ImageDraw, UnidentifiedImageError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 MEDIA_LIST = pa.list_(pa.struct([("bytes", pa.binary())]))  # verl's `images` / `audios` / `videos`
+
+
+def media_list(values: pa.ChunkedArray, keep: list[bool]) -> pa.ChunkedArray:
+    """A MEDIA_LIST column with one `[{"bytes": value}]` per kept row of the binary `values`.
+
+    Built on the binary arrays' own buffers (no copy of the media; a chunk with rejected rows is
+    filtered, which copies that chunk once), so a batch's media never become Python objects.
+    """
+    out, start = [], 0
+    for chunk in values.chunks:
+        mask = keep[start:start + len(chunk)]
+        start += len(chunk)
+        if not all(mask):
+            chunk = chunk.filter(pa.array(mask, pa.bool_()))
+        if chunk.type != pa.binary():
+            chunk = chunk.cast(pa.binary())
+        items = pa.StructArray.from_arrays([chunk], fields=[MEDIA_LIST.value_type.field(0)])
+        offsets = pa.array(np.arange(len(chunk) + 1, dtype=np.int32))
+        out.append(pa.ListArray.from_arrays(offsets, items, type=MEDIA_LIST))
+    return pa.chunked_array(out, type=MEDIA_LIST)
 
 
 # ---- validation --------------------------------------------------------------------------------

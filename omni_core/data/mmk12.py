@@ -18,12 +18,15 @@ import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
 from omni_core.data.converter import (
+    BatchConverted,
     HubParquetConverter,
     RowRejected,
+    binary_values,
+    is_binary_type,
     register_converter,
 )
 from omni_core.data.fixtures import register_fixture
-from omni_core.data.media import MEDIA_LIST, MESSAGE, encode_image, image_problem
+from omni_core.data.media import MEDIA_LIST, MESSAGE, encode_image, image_problem, media_list
 from omni_core.data.sources import RawSource
 
 # Verbatim from VeRL-Omni examples/gspo_trainer/data_process/mmk12.py (INSTRUCTION; "adapted from
@@ -53,6 +56,7 @@ SCHEMA = pa.schema([
         ("options", pa.string()),
     ])),
 ])
+_TEXT_SCHEMA = pa.schema([f for f in SCHEMA if f.name != "images"])
 
 
 def parse_options(question: str) -> dict[str, str]:
@@ -78,28 +82,63 @@ class MMK12Converter(HubParquetConverter):
     read_batch_rows = 256  # rows carry images
 
     def convert(self, record: dict[str, Any], split: str, index: int, raw: RawSource) -> dict[str, Any]:
-        question = str(record.get("question") or "").strip()
-        answer = str(record.get("answer") or "").strip()
-        if not question:
-            raise RowRejected("empty question")
-        if not answer:
-            raise RowRejected("missing answer")
         image = _image_bytes(record.get("image"))
-        problem = image_problem(image)
-        if problem:
-            raise RowRejected(problem)
-        return {
-            "data_source": "mmk12",
-            "prompt": [{"role": "user", "content": USER_TEMPLATE.format(instruction=INSTRUCTION, question=question)}],
-            "images": [{"bytes": image}],
-            "ability": "math_vl",
-            "reward_model": {"style": "rule", "ground_truth": answer},
-            "extra_info": {
-                "split": split, "index": index, "id": str(record.get("id") or ""), "dataset": "MMK12",
-                "subject": str(record.get("subject") or ""), "raw_question": question, "raw_answer": answer,
-                "options": json.dumps(parse_options(question), ensure_ascii=False),
-            },
-        }
+        return {**_text_row(record, image, split, index), "images": [{"bytes": image}]}
+
+    def convert_batch(self, table: pa.Table, split: str, first_index: int, raw: RawSource) -> BatchConverted | None:
+        """`convert` of a whole chunk: the text columns row by row in Python (small), the images
+        validated in place and passed to the output column without a copy (see `media_list`)."""
+        column = table.column("image")
+        if is_binary_type(column.type):
+            values = column
+        elif pa.types.is_struct(column.type) and column.type.get_field_index("bytes") >= 0 \
+                and is_binary_type(column.type.field("bytes").type):
+            values = pa.chunked_array([chunk.field("bytes") for chunk in column.chunks], column.type.field("bytes").type)
+        else:
+            return None  # an unusual raw layout: convert row by row
+        images: list[memoryview | None] = []
+        for chunk, chunk_values in zip(column.chunks, values.chunks, strict=True):
+            views = binary_values(chunk_values)
+            if chunk.null_count:  # a null image struct is a missing image, whatever its child holds
+                views = [v if ok else None for v, ok in zip(views, chunk.is_valid().to_pylist(), strict=True)]
+            images += views
+        rows, keep, rejected = [], [], []
+        texts = table.select([c for c in RAW_COLUMNS if c != "image"]).to_pylist()
+        for offset, (record, image) in enumerate(zip(texts, images, strict=True)):
+            try:
+                rows.append(_text_row(record, image if image is not None and image.nbytes else None, split,
+                                      first_index + offset))
+                keep.append(True)
+            except RowRejected as exc:
+                rejected.append((offset, exc.reason))
+                keep.append(False)
+        out = pa.Table.from_pylist(rows, schema=_TEXT_SCHEMA)
+        out = out.add_column(SCHEMA.get_field_index("images"), SCHEMA.field("images"), media_list(values, keep))
+        return BatchConverted(out, rejected)
+
+
+def _text_row(record: dict[str, Any], image: bytes | memoryview | None, split: str, index: int) -> dict[str, Any]:
+    """A row's output columns other than `images`; RowRejected if the row (or its `image`) is unusable."""
+    question = str(record.get("question") or "").strip()
+    answer = str(record.get("answer") or "").strip()
+    if not question:
+        raise RowRejected("empty question")
+    if not answer:
+        raise RowRejected("missing answer")
+    problem = image_problem(image)
+    if problem:
+        raise RowRejected(problem)
+    return {
+        "data_source": "mmk12",
+        "prompt": [{"role": "user", "content": USER_TEMPLATE.format(instruction=INSTRUCTION, question=question)}],
+        "ability": "math_vl",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {
+            "split": split, "index": index, "id": str(record.get("id") or ""), "dataset": "MMK12",
+            "subject": str(record.get("subject") or ""), "raw_question": question, "raw_answer": answer,
+            "options": json.dumps(parse_options(question), ensure_ascii=False),
+        },
+    }
 
 
 # ---- fixture: raw shards as the hub ships them ----------------------------------------------------

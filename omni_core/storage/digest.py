@@ -27,3 +27,35 @@ def file_digest(path: str | os.PathLike[str]) -> tuple[int, str]:
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
     return file_digest(path)[1]
+
+
+class AppendDigest:
+    """SHA-256 of a file that another writer is appending to, hashed as it grows.
+
+    `update()` hashes the bytes appended since the last call (read back from the page cache while
+    they are still hot, with no copy through the writer); `finish()` hashes the rest and returns
+    (size, hex digest). Only for append-only writers, such as a Parquet writer: bytes already
+    hashed must never be rewritten.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self._fd = os.open(path, os.O_RDONLY)
+        self._digest = hashlib.sha256()
+        self._size = 0
+        self._buffer = bytearray(BLOCK)
+        self._view = memoryview(self._buffer)
+
+    def update(self) -> None:
+        while n := os.preadv(self._fd, [self._buffer], self._size):
+            self._digest.update(self._view[:n])
+            self._size += n
+
+    def finish(self) -> tuple[int, str]:
+        self.update()
+        self.close()
+        return self._size, self._digest.hexdigest()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
