@@ -16,8 +16,14 @@ change in the shared machine's load hits every case alike, and the kept steps of
 1. Modes: `sync` vs `separate_async`, both with `async_reward: false` (the cheap `digits` reward is
    scored inline by the rollout worker; two actors, so they fit the two cores). The config (max_new_tokens,
    ppo_epochs) is picked so that gen and train take comparable time; both are reported.
-   Targets: async_step / max(gen, train) <= 1.15 (the overlap hides the shorter of the two), and
-   sync_step / async_step >= 1.3.
+   Targets: async_step / max(gen, train) <= 1.15 (the overlap hides the shorter of the two; gen here
+   includes the inline reward), and sync_step / async_step >= 1.3. Also printed: `ideal_sync_over_async`
+   = sync_step / max(sync's gen, sync's train), the speed-up the overlap would give if running both
+   actors at once slowed neither, and how much slower gen and train are in separate_async than in
+   sync: on a machine whose cores are already busy, two actors at once get less than two cores, and
+   the overlap buys less than the ideal (or nothing). `parallel_capacity` measures that first: a fixed
+   one-thread torch loop on two 1-CPU actors, one after the other vs at once (2.0 = two free cores);
+   the speed-up separate_async can reach is about min(ideal_sync_over_async, parallel_capacity).
 2. Reward: separate_async (`--reward-batch-size` 4 prompts x `--reward-n` 2 responses) with a slow reward, `bench/slow_rewards.py:compute_score` (renders each
    response with PIL and reads it back with tesseract through `omni_core.rewards.ocr`, about 0.2 s a
    response), with `async_reward: true` (reward workers score batch k while the rollout worker
@@ -98,6 +104,37 @@ def summarize(steps: list[dict]) -> dict[str, float]:
     return out
 
 
+def parallel_capacity(rounds: int = 3) -> dict[str, float]:
+    """How much two 1-CPU actors get done at once vs one at a time: the same fixed torch loop (matmul
+    + tanh on one thread) on two actors, alone (one after the other) and together; best of `rounds`.
+    2.0 means two idle cores; about 1.0 means the machine runs them no faster than one after the other
+    (busy or shared cores), and the overlap of gen and train cannot shorten a step."""
+    import ray
+
+    @ray.remote(num_cpus=1)
+    class Spin:
+        def work(self) -> float:
+            import torch
+
+            x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+            start = time.perf_counter()
+            for _ in range(300):
+                x = torch.tanh(x @ x / 16)
+            return time.perf_counter() - start
+
+    actors = [Spin.remote(), Spin.remote()]
+    ray.get([a.work.remote() for a in actors])  # warm-up
+    alone, together = float("inf"), float("inf")
+    for _ in range(rounds):
+        alone = min(alone, sum(ray.get(a.work.remote()) for a in actors))
+        start = time.perf_counter()
+        ray.get([a.work.remote() for a in actors])
+        together = min(together, time.perf_counter() - start)
+    for actor in actors:
+        ray.kill(actor)
+    return {"alone_s": round(alone, 3), "together_s": round(together, 3), "speedup": round(alone / together, 2)}
+
+
 CASES = {  # name: (mode, async_reward, reward)
     "sync": ("sync", False, "digits"),
     "async": ("separate_async", False, "digits"),
@@ -106,12 +143,15 @@ CASES = {  # name: (mode, async_reward, reward)
 }
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, float]]:
     import ray
 
     os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     cases = [c for c in CASES if args.no_reward is False or not c.startswith("reward")]
+    capacity = parallel_capacity()
+    print(f"  parallel capacity: two 1-CPU actors' fixed work one after the other {capacity['alone_s']:.3f}s, "
+          f"at once {capacity['together_s']:.3f}s: {capacity['speedup']:.2f}x (2.0 = two free cores)", flush=True)
     pooled: dict[str, list[dict]] = {c: [] for c in cases}
     walls: dict[str, list[float]] = {c: [] for c in cases}
     try:
@@ -128,7 +168,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         ray.shutdown()
     out: dict[str, Any] = {c: {**summarize(pooled[c]), "wall_s": walls[c]} for c in cases}
-    return out
+    return out, capacity
 
 
 def main() -> None:
@@ -157,7 +197,7 @@ def main() -> None:
     print(f"tiny://lm, digits, GRPO: {args.steps} steps x {args.batch_size} prompts x {args.n} responses x "
           f"{args.max_new_tokens} new tokens, ppo_epochs {args.ppo_epochs}; 1 CPU per actor; means over steps "
           f"{args.warmup + 1}..{args.steps - 1} of {args.repeats} run(s) per case", flush=True)
-    cases = measure(args)
+    cases, capacity = measure(args)
     sync, asyn = cases["sync"], cases["async"]
     figures: dict[str, Any] = {
         "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup, "batch_size": args.batch_size,
@@ -167,6 +207,8 @@ def main() -> None:
     }
     # what the overlap would give if running both at once did not slow either (idle cores)
     figures["ideal_sync_over_async"] = round(sync["step_s"] / max(sync["gen_s"] + sync["reward_s"], sync["train_s"]), 3)
+    figures["parallel_capacity"] = capacity["speedup"]
+    figures["parallel_capacity_alone_s"], figures["parallel_capacity_together_s"] = capacity["alone_s"], capacity["together_s"]
     figures["async_over_max_gen_train"] = round(asyn["step_s"] / max(asyn["gen_s"] + asyn["reward_s"], asyn["train_s"]), 3)
     figures["sync_over_async"] = round(sync["step_s"] / asyn["step_s"], 3)
     figures["target_async_overlap_met"] = figures["async_over_max_gen_train"] <= 1.15
