@@ -80,6 +80,8 @@ def test_request_level_packs_compatible_requests_up_to_max_num_seqs():
     for batch in engine.batches:  # never mixes incompatible sampling
         assert len({steps[r] for r in batch}) == 1
     assert max(len(b) for b in engine.batches) == 4
+    # stats: batches run, the largest one; forwards are the engine's to count (this one counts none)
+    assert engine.stats == {"batches": len(engine.batches), "forwards": 0, "max_batch": 4}
 
 
 def test_wait_lets_a_partial_batch_fill():
@@ -108,6 +110,7 @@ def test_step_level_interleaves_and_admits_at_step_boundaries():
         futures = [engine.submit(_req(i, n=1 + i % 3)) for i in range(7)]
         results = [f.result(10) for f in futures]
     assert [r.output for r in results] == [i * 10 + 1 + i % 3 for i in range(7)]
+    assert engine.stats["batches"] == len(engine.batches)  # one per group of compatible requests stepped
     assert max(len(b) for b in engine.batches) <= 3
     # every request took exactly its own number of steps, in batches shared with others
     for i in range(7):
