@@ -22,10 +22,22 @@ import ray
 import yaml
 
 from omni_core.errors import DataError
+from omni_core.lineage import Tracker
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ["gsm8k", "digits", "extra", "rl"]
-REWARD = '''def score(data_source, solution_str, ground_truth, extra_info=None):
+REWARD = '''from pathlib import Path
+
+FAULT = Path(__file__).with_name("fail-at-call")  # holds the call count at which to raise, once
+
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    if FAULT.exists():
+        left = int(FAULT.read_text()) - 1
+        if left <= 0:
+            FAULT.unlink()
+            raise RuntimeError("injected fault in the reward")
+        FAULT.write_text(str(left))
     return (len(solution_str) % 5) / 4.0  # varies within a group, so GRPO moves the weights
 '''
 
@@ -45,7 +57,7 @@ def pipeline_config(workdir: Path, reward: Path) -> dict[str, Any]:
             {"name": "extra", "kind": "ingest", "datasets": ["digits_extra"], "after": ["gsm8k"]},
             {"name": "rl", "kind": "rl", "after": ["digits", "extra"], "model": "tiny://lm", "data": "digits:train",
              "rollout": {"n": 2, "max_new_tokens": 6}, "reward": {"name": f"{reward}:score"},
-             "trainer": {"total_steps": 2, "batch_size": 2, "lr": 1e-2}},
+             "trainer": {"total_steps": 2, "batch_size": 2, "lr": 1e-2}, "checkpoint": {"save_freq": 1}},
         ],
     }
 
@@ -188,7 +200,13 @@ def store_b(prefect_api: Any, reward: Path, tmp_path_factory: pytest.TempPathFac
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(_KINDS, "ingest", dataclasses.replace(ingest, run=faulty))
         failed = run_pipeline(prefect_api, config, expected=3)
-    return {"workdir": workdir, "failed": failed, "rerun": run_pipeline(prefect_api, config)}
+    # and in the re-run, the reward fails once in the rl stage's second step (2 prompts x 2 responses a
+    # step): the stage's Prefect retry resumes from checkpoint global_step_1
+    fault = reward.with_name("fail-at-call")
+    fault.write_text("5")
+    rerun = run_pipeline(prefect_api, config)
+    return {"workdir": workdir, "failed": failed, "rerun": rerun, "fault_left": fault.exists(),
+            "tracking_uri": config["tracking_uri"]}
 
 
 # ---- store A ---------------------------------------------------------------------------------------
@@ -295,6 +313,9 @@ def test_a_failed_stage_stops_its_dependents_and_the_rerun_starts_there(store_b:
     rerun = store_b["rerun"]
     assert rerun.state.is_completed()
     assert rerun.cached() == {"gsm8k", "digits"} and rerun.ran() == {"extra", "rl"}
+    assert not store_b["fault_left"] and rerun.tasks["rl"].run_count == 2  # the reward fault, then the retry
+    tags = Tracker(store_b["tracking_uri"]).client.get_run(rerun.stage("rl")["mlflow_run_id"]).data.tags
+    assert tags["omni.resumed_from_step"] == "1" and tags["omni.resumed_from"].endswith("/global_step_1")
     assert digests(rerun) == digests(store_a["first"])  # same keys, versions, weights as a clean run
 
 

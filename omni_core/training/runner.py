@@ -217,6 +217,9 @@ class StageRunner:
             published = {0: None, start: ray.put(state.policy),
                          **{v: ray.put(w) for v, w in state.rollout_versions.items()}}
             run.progress(f"stage {stage.name}: resuming at step {start}/{total} from {manifest['uri']}")
+            if run.tracker is not None and run.mlflow_run_id:
+                run.tracker.set_tags(run.mlflow_run_id, {"omni.resumed_from": manifest["uri"],
+                                                         "omni.resumed_from_step": str(start)})
         if start >= total and manifest is not None:
             return {**manifest, "metrics": manifest.get("final_metrics", {})}
         split = stage.algorithm.name in SPLIT_ALGORITHMS
