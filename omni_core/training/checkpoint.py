@@ -105,10 +105,12 @@ def save_checkpoint(store: Store, stage_root: str, step: int, model: Any, tokeni
         for path in sorted(p for p in Path(tmp).rglob("*") if p.is_file()):
             rel = path.relative_to(tmp).as_posix()
             key = f"{prefix}/{rel}"
+            digest = hashlib.sha256()  # of the bytes as sent: reading the object back doubles an S3 save
             with open(path, "rb") as src, store.open_write(key) as dst:
                 while block := src.read(1 << 20):
+                    digest.update(block)
                     dst.write(block)
-            files.append({"path": rel, "sha256": store.sha256(key), "bytes": path.stat().st_size})
+            files.append({"path": rel, "sha256": digest.hexdigest(), "bytes": path.stat().st_size})
     manifest = {"global_step": step, "uri": store.uri(prefix), "files": files,
                 "weights": weights[0] if weights else None, **metadata}
     store.write_json(f"{prefix}/{MANIFEST}", manifest)
