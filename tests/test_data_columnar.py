@@ -109,3 +109,13 @@ def test_append_digest_matches_the_finished_file(tmp_path: Path) -> None:
             digest.update()
         f.write(b"tail")
     assert digest.finish() == file_digest(path)
+
+
+def test_release_freed_memory_keeps_live_buffers() -> None:
+    from omni_core.data.memory import release_freed_memory
+
+    live = pa.array([b"x" * 1000] * 1000)
+    freed = pa.array([b"y" * 1000] * 1000)
+    del freed
+    release_freed_memory()
+    assert live[999].as_py() == b"x" * 1000 and pa.total_allocated_bytes() >= live.nbytes

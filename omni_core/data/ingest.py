@@ -35,7 +35,7 @@ from omni_core.data.converter import (
     get_converter,
     table_records,
 )
-from omni_core.data.memory import without_huge_pages
+from omni_core.data.memory import release_freed_memory, without_huge_pages
 from omni_core.data.sources import RawSource, resolve_source
 from omni_core.errors import DataError
 from omni_core.storage import Store
@@ -364,9 +364,12 @@ class _WriterThread:
         while (item := self.queue.get()) is not None:
             if self.error is None:  # after an error, keep draining so the producer never blocks
                 table, done = item
+                del item
                 try:
                     self.shards.write(table)
+                    del table  # the batch's last reference: its memory is free before the release
                     done()
+                    release_freed_memory()
                 except BaseException as exc:  # handed to the producer thread
                     self.error = exc
 
