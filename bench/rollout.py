@@ -1,6 +1,7 @@
 """Rollout engines: the same work run serially, request-level batched (max_num_seqs 8 and 32) and step-level.
 
     python bench/rollout.py [--quick] [--json] [--device cpu|cuda] [--repeats N] [--threads N] [--plain-forward]
+                           [--workload diffusion,ar]
 
 - diffusion: 64 requests x 10 denoising steps with True-CFG (guidance 4.5) on `tiny://sd3`
   (16 prompts x 4 seeds, as a FlowGRPO group would send them);
@@ -137,6 +138,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=None, help="best of N per mode (default 2, quick 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--workload", default="diffusion,ar", help="which workloads, comma-separated")
     parser.add_argument("--plain-forward", action="store_true",
                         help="diffusion engine on the diffusers forward, not sd3_inference_forward")
     args = parser.parse_args()
@@ -148,7 +150,11 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick else 2)
     figures: dict = {"device": args.device, "requests": requests, "threads": args.threads,
                      "diffusion_forward": "plain" if args.plain_forward else "inference"}
-    for name, work in (("diffusion", lambda n, d: diffusion_work(n, d, args.plain_forward)), ("ar", ar_work)):
+    works = {"diffusion": lambda n, d: diffusion_work(n, d, args.plain_forward), "ar": ar_work}
+    chosen = [w.strip() for w in args.workload.split(",") if w.strip()]
+    if not chosen or any(w not in works for w in chosen):
+        parser.error(f"--workload {args.workload!r}: use a comma-separated subset of {', '.join(works)}")
+    for name, work in ((w, works[w]) for w in chosen):
         build, make, params, extra_modes = work(requests, args.device)
         print(f"{name}: {requests} requests, model parameters {params:,} ({args.device})", flush=True)
         figures[name] = {"params": params, **measure(build, make, repeats, extra_modes)}
