@@ -1,0 +1,126 @@
+"""A training stage submitted as a Ray Job (`python -m omni_core.training submit`) to a real Ray head
+with its job server on 127.0.0.1: the submission id is deterministic, so submitting the same training
+again finds the job instead of starting a second; after a stopped attempt the next submission is
+`...-attempt-2`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from omni_core.config import DatasetConfig
+from omni_core.config.loader import load_pipeline
+from omni_core.data import ingest
+from omni_core.storage import Store
+from omni_core.training.__main__ import main, rl_stage, submission_id
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def job_server() -> Any:
+    """`ray start --head --block` with its dashboard (the job server) on 127.0.0.1, in its own temp dir
+    and process group, so stopping it touches no other Ray on the machine."""
+    temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths live under it
+    port, dashboard = free_port(), free_port()
+    ray_bin = Path(sys.executable).with_name("ray")
+    head = subprocess.Popen([str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=1",
+                             "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+                             f"--dashboard-port={dashboard}", "--include-dashboard=true", f"--temp-dir={temp}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})  # no token to hand out in a test
+    from ray.job_submission import JobSubmissionClient
+
+    address = f"http://127.0.0.1:{dashboard}"
+    deadline = time.monotonic() + 120
+    while True:  # up once it takes a job: the dashboard answers before its job agent is ready
+        try:
+            client = JobSubmissionClient(address)
+            client.submit_job(entrypoint="true", submission_id="warm-up")
+            break
+        except Exception:
+            if time.monotonic() > deadline or head.poll() is not None:
+                stop(head, temp)
+                pytest.fail(f"the Ray job server at {address} did not start")
+            time.sleep(1)
+    while str(client.get_job_status("warm-up")).rsplit(".", 1)[-1] in ("PENDING", "RUNNING"):
+        time.sleep(0.5)
+    client.delete_job("warm-up")
+    yield address, client
+    stop(head, temp)
+
+
+def stop(head: subprocess.Popen, temp: str) -> None:
+    """The head's process group, then any Ray process of this head that left it (workers, the job's
+    driver: found by the head's temp dir on their command line)."""
+    import psutil
+
+    os.killpg(head.pid, signal.SIGTERM)
+    try:
+        head.wait(timeout=3)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(temp in part for part in proc.info["cmdline"] or ()):
+            proc.kill()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_a_resubmitted_training_is_found_not_run_twice(job_server: Any, tmp_path: Path, capsys: Any) -> None:
+    address, client = job_server
+    store = tmp_path / "store"
+    dataset = DatasetConfig(source="fixtures://digits?rows=8&seed=0", converter="digits")
+    version = ingest(Store(str(store)), "digits", dataset, progress=lambda _: None).version
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text(yaml.safe_dump({
+        "name": "job-test", "store": str(store), "seed": 3, "datasets": {"digits": dataset.model_dump()},
+        "stages": [{"name": "rl", "kind": "rl", "data": "digits", "model": "tiny://lm", "reward": {"name": "digits"},
+                    "trainer": {"total_steps": 1, "batch_size": 2}, "rollout": {"n": 2, "max_new_tokens": 4}}]}))
+    config = load_pipeline(pipeline)
+    expected = submission_id(config, rl_stage(config, "rl"), version)
+    assert expected.startswith("omni-job-test-rl-") and expected == submission_id(
+        load_pipeline(pipeline), rl_stage(load_pipeline(pipeline), "rl"), version)
+    assert expected != submission_id(load_pipeline(pipeline, ["seed=4"]), rl_stage(config, "rl"), version)
+
+    def submit() -> dict[str, Any]:
+        assert main(["submit", str(pipeline), "--stage", "rl", "--address", address]) == 0
+        return yaml.safe_load(capsys.readouterr().out.strip().splitlines()[-1])
+
+    first = submit()
+    assert first == {"submission_id": expected, "submitted": True, "status": "PENDING"}
+    again = submit()  # a retried submission (e.g. the submitting task's retry): the same job, not a new one
+    assert again["submission_id"] == expected and not again["submitted"]
+    assert again["status"] in ("PENDING", "RUNNING", "SUCCEEDED")
+    assert [j.submission_id for j in client.list_jobs()] == [expected]
+    entrypoint = client.get_job_info(expected).entrypoint
+    assert "-m omni_core.training run" in entrypoint and f"--dataset-version {version}" in entrypoint
+
+    client.stop_job(expected)
+    deadline = time.monotonic() + 60
+    while str(client.get_job_status(expected)).rsplit(".", 1)[-1] not in ("STOPPED", "FAILED", "SUCCEEDED"):
+        assert time.monotonic() < deadline, "the job did not stop"
+        time.sleep(0.5)
+    status = str(client.get_job_status(expected)).rsplit(".", 1)[-1]
+    third = submit()
+    if status == "SUCCEEDED":  # it finished before the stop arrived: done, nothing to resubmit
+        assert third == {"submission_id": expected, "submitted": False, "status": "SUCCEEDED"}
+    else:  # stopped: the next attempt gets its own id (it resumes from the stage's checkpoint)
+        assert third == {"submission_id": f"{expected}-attempt-2", "submitted": True, "status": "PENDING"}
+        client.stop_job(third["submission_id"])
