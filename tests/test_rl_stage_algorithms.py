@@ -87,6 +87,14 @@ def committed_checkpoint(result: dict, weights: str, algorithm: str) -> Path:
     assert {f["path"]: f["sha256"] for f in manifest["files"]}[weights] == digest == outputs["weights_sha256"]
     tags = result["runs"][0].data.tags
     assert tags["omni.checkpoint_sha256"] == digest and tags["omni.run_key"] == outputs["run_key"]
+    # the checkpoint as an MLflow logged model: pointing at the store, linked to the training run at its step
+    model = result["client"].get_logged_model(outputs["model_id"])
+    assert model.source_run_id == result["runs"][0].info.run_id and model.status == "READY"
+    assert model.tags["omni.checkpoint_uri"] == outputs["checkpoint_uri"] and model.tags["omni.checkpoint_sha256"] == digest
+    assert model.params["algorithm"] == algorithm
+    outputs_of_run = result["client"].get_run(model.source_run_id).outputs.model_outputs
+    assert [(o.model_id, o.step) for o in outputs_of_run] == [(model.model_id, outputs["global_step"])]
+    assert result["second"].outputs["model_id"] == model.model_id  # the cached re-run names the same model
     return folder
 
 

@@ -21,6 +21,7 @@ from omni_core.config import RayConfig, RLStage
 from omni_core.data import DatasetVersion, load_version
 from omni_core.errors import ConfigError
 from omni_core.lineage import log_dataset_version
+from omni_core.lineage.models import checkpoint_models, log_checkpoint_model
 from omni_core.pipeline.report import curve_png
 from omni_core.pipeline.stages import register_stage
 from omni_core.pipeline.stages.build_images import upstream_images
@@ -185,6 +186,16 @@ def run_rl(ctx: Any) -> dict[str, Any]:
                "weights_sha256": result.weights_sha256, "dataset_version": dv.version,
                "final_metrics": result.final_metrics, "reused": result.reused}
     lineage_tags(ctx, outputs)
+    if not result.reused:  # a reused checkpoint has its logged model from the run that trained it
+        outputs["model_id"] = log_checkpoint_model(
+            ctx.tracker, ctx.mlflow_run_id, ctx.config.name, name=f"{ctx.config.name}-{stage.name}",
+            checkpoint_uri=result.checkpoint_uri, weights_sha256=result.weights_sha256,
+            global_step=result.global_step, run_key=result.run_key,
+            params={"algorithm": stage.algorithm.name, "model": stage.model, "dataset": f"{key}@{dv.version}:{split}",
+                    "seed": ctx.config.seed})
+    else:
+        found = checkpoint_models(ctx.tracker, ctx.config.name, result.run_key)
+        outputs["model_id"] = found[0].model_id if found else None
     curve = save_reward_curve(ctx, training_run(ctx, result.run_key) if result.reused else ctx.mlflow_run_id)
     if curve:
         ctx.report["reward_curve"] = curve
