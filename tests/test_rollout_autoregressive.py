@@ -231,3 +231,15 @@ def test_media_prompts_on_the_omni_thinker(model_cache: Path) -> None:
     assert not banned & {t for r in alone for t in r.output}  # media tokens are never sampled
     assert all(alone[0].extra["media"][k] is v for k, v in media[0].items()) and "media" not in alone[1].extra
     _check_consistency(model, alone, processor.tokenizer.pad_token_id, 1.0, **collate_media(media))
+
+
+def test_forwards_counts_model_calls(lm, prompts) -> None:
+    """One prefill plus one decode forward per further token, for the whole batch at once."""
+    sampling = ARSampling(temperature=0.8, max_new_tokens=5)
+    results, engine = _generate(lm, EngineConfig(max_num_seqs=8), _requests(prompts, sampling),
+                                eos_token_ids=[-1])  # no EOS: every response runs to max_new_tokens
+    assert all(len(r.output) == 5 for r in results)
+    # (the scheduler may start a batch before every request is queued: still 5 forwards a batch)
+    assert engine.stats["batches"] < len(prompts) and engine.stats["forwards"] == 5 * engine.stats["batches"]
+    _, serial = _generate(lm, EngineConfig(max_num_seqs=1), _requests(prompts, sampling), eos_token_ids=[-1])
+    assert serial.stats["forwards"] == 5 * len(prompts)

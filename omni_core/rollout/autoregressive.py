@@ -355,6 +355,7 @@ class ARengine(RolloutEngine):
             following = mask.sum(-1)
         cache = DynamicCache()
         extra = {"logits_to_keep": 1} if self._logits_to_keep else {}
+        self.stats["forwards"] += 1
         out = self.model(input_ids=input_ids, attention_mask=_padding_only(mask), position_ids=positions,
                          cache=cache, use_cache=True, **media, **extra)
         for s, p in zip(seqs, following.tolist(), strict=True):
@@ -373,6 +374,7 @@ class ARengine(RolloutEngine):
         if self._mrope:
             positions = positions.unsqueeze(0).expand(3, n, 1)  # text tokens: the same on every axis
         mask = torch.cat([batch.mask, batch.mask.new_ones(n, 1)], dim=1)
+        self.stats["forwards"] += 1
         out = self.model(input_ids=input_ids, attention_mask=_padding_only(mask), position_ids=positions,
                          cache=batch.cache, use_cache=True)
         batch.mask = mask

@@ -599,7 +599,7 @@ class VllmOmniEngine(RolloutEngine):
             final = output
         if final is None:
             raise RuntimeError(f"vLLM-Omni yielded no output for request {request.request_id}")
-        self.stats["forwards"] += 1  # finished requests (vLLM-Omni does not report its forwards)
+        self.stats["finished"] = self.stats.get("finished", 0) + 1  # vLLM-Omni does not report its forwards
         convert = ar_result if self.output_mode == "ar" else diffusion_result
         return convert(request, final, version)
 
