@@ -34,11 +34,13 @@ def _mount_subcommands() -> None:
     from flows.cli_datasets import datasets_app, ingest_command
     from flows.cli_deploy import register_commands
     from flows.cli_image import image_app
+    from flows.cli_verify import register_commands as register_verify
 
     app.command("ingest")(ingest_command)
     app.add_typer(datasets_app, name="datasets")
     app.add_typer(image_app, name="image")
     register_commands(app)  # deploy, serve, status
+    register_verify(app)  # verify
 
 
 _mount_subcommands()
