@@ -2,6 +2,10 @@
 
 Everything goes through `MlflowClient` with explicit run ids (no fluent "active run" state), so a
 stage running in another process (a Ray actor, a Ray Job) logs to its run by id alone.
+
+Every tag, param, dict artifact and dataset input passes through `omni_core.lineage.redact` first:
+credentials (secret-named values, user:password@ in URIs, secret env values) never reach MLflow.
+Write to MLflow through these methods, not through `client` directly.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from omni_core.errors import ConfigError
+from omni_core.lineage.redact import env_secrets, redact, redact_mapping, redact_text
 
 TAG_PREFIX = "omni."
 
@@ -56,7 +61,8 @@ class Tracker:
         return self.client.create_experiment(name, artifact_location=location)
 
     def start_run(self, experiment: str, run_name: str, tags: dict[str, str], parent_run_id: str | None = None) -> str:
-        all_tags = {MLFLOW_RUN_NAME: run_name, **tags}
+        run_name = redact_text(run_name)
+        all_tags = {MLFLOW_RUN_NAME: run_name, **redact_mapping(tags)}
         if parent_run_id:
             all_tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
         run = self.client.create_run(self.experiment_id(experiment), run_name=run_name, tags=all_tags)
@@ -67,11 +73,11 @@ class Tracker:
         self.client.set_terminated(run_id, status=status)
 
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
-        for key, value in tags.items():
-            self.client.set_tag(run_id, key, str(value))
+        for key, value in redact_mapping({k: str(v) for k, v in tags.items()}).items():
+            self.client.set_tag(run_id, key, value)
 
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
-        for key, value in params.items():
+        for key, value in redact_mapping(params).items():
             self.client.log_param(run_id, key, value)
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int, timestamp_ms: int) -> None:
@@ -79,11 +85,15 @@ class Tracker:
         self.client.log_batch(run_id, metrics=batch)
 
     def log_dict(self, run_id: str, obj: Any, artifact_file: str) -> None:
-        self.client.log_dict(run_id, obj, artifact_file)
+        secrets = env_secrets()
+        self.client.log_dict(run_id, redact(obj, secrets=secrets), redact_text(artifact_file, secrets))
 
     def log_dataset_input(self, run_id: str, *, name: str, digest: str, source_uri: str, raw_source_uri: str,
                           schema: list[dict[str, str]], profile: dict[str, Any], context: str) -> None:
         """Logs a store dataset version as an MLflow dataset input (source = its URI in the store)."""
+        secrets = env_secrets()
+        name, source_uri, raw_source_uri = (redact_text(t, secrets) for t in (name, source_uri, raw_source_uri))
+        schema, profile = redact(schema, secrets=secrets), redact(profile, secrets=secrets)
         scheme = urlparse(source_uri).scheme or "local"
         dataset = Dataset(
             name=name,
@@ -93,7 +103,7 @@ class Tracker:
             schema=json.dumps({"columns": schema}),
             profile=json.dumps(profile, sort_keys=True),
         )
-        tags = [InputTag("mlflow.data.context", context)]
+        tags = [InputTag("mlflow.data.context", redact_text(context, secrets))]
         self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags)])
 
 
