@@ -75,7 +75,9 @@ def verify_command(
     else:
         console.print(f"[{'green' if summary.ok else 'red'}]{escape(summary.line())}[/]")
         if not summary.ok:
-            err_console.print("[red]some files do not match their manifest:[/red] ingest the dataset version "
-                              "again (omni ingest) or restore or retrain the checkpoint; do not train on them")
+            err_console.print("[red]some files do not match their manifest;[/red] do not train on them: restore "
+                              "them from a copy, or delete that dataset version folder and run `omni ingest` again "
+                              "(a version whose manifest exists is reused as it is), or delete that checkpoint "
+                              "folder and train again")
     if not summary.ok:
         raise typer.Exit(1)

@@ -191,7 +191,8 @@ def _expected(store: Store, manifest_key: str) -> tuple[list[_Expected], FileChe
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         what = "not valid JSON" if isinstance(exc, json.JSONDecodeError) else f"malformed ({type(exc).__name__}: {exc})"
         return [], FileCheck(kind, label, manifest_key, store.uri(manifest_key), INVALID, None,
-                             detail=f"manifest is {what}; rewrite the {kind} (ingest or train it again)")
+                             detail=f"manifest is {what}; restore it from a copy, or delete this {kind} folder "
+                                    "and ingest or train it again")
     return [_Expected(kind, label, key, sha, size) for key, sha, size in listed], None
 
 
