@@ -398,7 +398,101 @@ def _rl_stage_problem(stage: RLStage, datasets: dict[str, DatasetConfig]) -> str
     return None
 
 
-AnyStage = IngestStage | BuildImagesStage | RLStage
+# ---- the eval and register stages ---------------------------------------------------------------
+
+
+class EvalStage(StageBase):
+    """Scores the checkpoint of an upstream rl stage on a dataset split with the dataset's rewards;
+    logs verl's `val/*` metrics on its MLflow run, linked to the checkpoint's logged model."""
+
+    kind: Literal["eval"] = "eval"
+    checkpoint_from: str | None = Field(None, description="The rl stage whose checkpoint is scored; "
+                                                          "default: the nearest upstream rl stage.")
+    data: str = Field(description="Dataset key with a split: `gsm8k:test` (split default: test).")
+    reward: RewardConfig | None = Field(None, description="Default: each row's data_source picks its reward; "
+                                                          "else a registered name or path.py:function.")
+    n: int = Field(1, ge=1, description="Responses per prompt (metrics are mean@n).")
+    greedy: bool = Field(True, description="Greedy decoding; false samples with temperature and top_p.")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(32, ge=1)
+    max_prompt_tokens: int = Field(256, ge=8)
+    max_rows: int | None = Field(None, ge=1, description="Score only the first N rows of the split; null: all.")
+    batch_size: int = Field(64, ge=1, description="Prompts generated together.")
+    samples: int = Field(16, ge=0, description="Rows whose prompt, responses, ground truth and scores are kept "
+                                               "as the eval_samples.json table.")
+
+    def split(self) -> tuple[str, str]:
+        key, _, split = self.data.partition(":")
+        return key, split or "test"
+
+    def pipeline_problem(self, config: Any) -> str | None:
+        """What in the pipeline keeps this stage from running, as `key.path: message`, or None."""
+        where = f"stages.{self.name}"
+        key = self.split()[0]
+        if key not in config.datasets:
+            return f"{where}.data: '{key}' is not under datasets: ({', '.join(config.datasets) or 'none declared'})"
+        return _upstream_problem(config, self.name, "checkpoint_from", self.checkpoint_from, "rl",
+                                 "a trained checkpoint to score")
+
+
+class RegisterStage(StageBase):
+    """Registers the checkpoint an upstream eval stage scored as a new version of `model_name`, sets
+    alias `candidate` on it, and moves `champion` to it when `metric` beats the champion's by more than
+    `margin`."""
+
+    kind: Literal["register"] = "register"
+    model_name: str = Field(min_length=1, description="Registered model name in the MLflow model registry.")
+    eval_from: str | None = Field(None, description="The eval stage whose result is registered; "
+                                                    "default: the nearest upstream eval stage.")
+    metric: str = Field("val/reward_mean", description="Eval metric that decides the promotion to champion.")
+    greater_is_better: bool = True
+    margin: float = Field(0.0, ge=0, description="How much the new score must beat the champion's by.")
+
+    def pipeline_problem(self, config: Any) -> str | None:
+        """What in the pipeline keeps this stage from running, as `key.path: message`, or None."""
+        return _upstream_problem(config, self.name, "eval_from", self.eval_from, "eval", "an eval result to register")
+
+
+def _ancestors(config: Any, name: str) -> list[str]:
+    """Every stage `name` depends on, nearest first (reverse dependency order)."""
+    after = {s.name: list(s.after) for s in config.stages}
+    found: set[str] = set()
+    pending = list(after.get(name, []))
+    while pending:
+        dep = pending.pop()
+        if dep not in found and dep in after:
+            found.add(dep)
+            pending.extend(after[dep])
+    order = [s.name for s in config.ordered_stages()]
+    return [n for n in reversed(order) if n in found]
+
+
+def upstream_stage(config: Any, name: str, field: str, chosen: str | None, kind: str) -> str | None:
+    """The stage `field` names (when it is an upstream stage of `kind`), else the nearest upstream one."""
+    kinds = {s.name: s.kind for s in config.stages}
+    ancestors = [a for a in _ancestors(config, name) if kinds[a] == kind]
+    if chosen is not None:
+        return chosen if chosen in ancestors else None
+    return ancestors[0] if ancestors else None
+
+
+def _upstream_problem(config: Any, name: str, field: str, chosen: str | None, kind: str, what: str) -> str | None:
+    if upstream_stage(config, name, field, chosen, kind) is not None:
+        return None
+    where = f"stages.{name}"
+    kinds = {s.name: s.kind for s in config.stages}
+    if chosen is None:
+        return (f"{where}.after: no upstream {kind} stage to take {what} from; add a {kind} stage to its after: "
+                f"list (directly or through another stage), or name one with {field}:")
+    if chosen not in kinds:
+        return f"{where}.{field}: '{chosen}' is not a stage (stages: {', '.join(kinds)})"
+    if kinds[chosen] != kind:
+        return f"{where}.{field}: '{chosen}' is a stage of kind {kinds[chosen]}, not {kind}; name an upstream {kind} stage"
+    return f"{where}.{field}: '{chosen}' is not upstream of {name}; add it to {name}'s after: list"
+
+
+AnyStage = IngestStage | BuildImagesStage | RLStage | EvalStage | RegisterStage
 Stage = Annotated[AnyStage, Field(discriminator="kind")]
 
 

@@ -89,4 +89,4 @@ def stage_runner(kind: str) -> Runner:
     return stage_kind(kind).run
 
 
-from omni_core.pipeline.stages import build_images, ingest, rl  # noqa: E402,F401  (register the kinds)
+from omni_core.pipeline.stages import build_images, eval, ingest, register, rl  # noqa: E402,F401  (register the kinds)

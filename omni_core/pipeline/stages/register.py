@@ -1,0 +1,163 @@
+"""Stage kind `register`: the checkpoint an upstream eval stage scored becomes a new version of a
+registered model; alias `candidate` moves to it, alias `champion` only when it wins.
+
+The version's source is the checkpoint's MLflow 3 logged model (`models:/{model_id}`, no weights
+copied); its run is the eval run, and its tags link back to the run key, the checkpoint URI and
+sha256, the training and eval runs and the dataset version. `champion` moves when `metric` beats
+the current champion's score (its eval run's metric) by more than `margin` in the direction
+`greater_is_better` says; without a champion the new version becomes it. The decision and both
+scores are tags on the version either way: `omni.promotion` (promoted | kept), `omni.score`,
+`omni.champion_score`.
+
+Cache inputs: the eval result's digest (a re-run with the same checkpoint and scores registers
+nothing new while its version is still in the registry). Outputs: model_name, version, promoted,
+score, champion_version.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+from mlflow.exceptions import MlflowException
+from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+
+from omni_core.config.models import RegisterStage
+from omni_core.errors import ConfigError
+from omni_core.pipeline.stages import register_stage
+from omni_core.pipeline.stages.eval import eval_digest, mlflow_metric_name, source_outcome
+
+CANDIDATE, CHAMPION = "candidate", "champion"
+PROMOTED, KEPT = "promoted", "kept"
+_global_uri_lock = threading.Lock()
+
+
+def register_inputs(ctx: Any) -> dict[str, Any]:
+    evaluated = source_outcome(ctx, "eval_from", "eval")
+    return {"eval": {"stage": evaluated.name, "result": eval_digest(evaluated.outputs)}}
+
+
+def version_still_there(ctx: Any, outputs: dict[str, Any]) -> bool:
+    try:
+        ctx.tracker.client.get_model_version(outputs["model_name"], outputs["version"])
+    except MlflowException:
+        return False
+    return True
+
+
+def log_reused(ctx: Any, record: Any) -> None:
+    ctx.tracker.set_tags(ctx.mlflow_run_id, {"omni.registered_model": record.outputs["model_name"],
+                                             "omni.registered_version": record.outputs["version"]})
+
+
+def beats(score: float, champion: float, stage: RegisterStage) -> bool:
+    """Whether `score` is better than `champion` by more than the margin."""
+    if stage.greater_is_better:
+        return score > champion + stage.margin
+    return score < champion - stage.margin
+
+
+def champion_of(client: Any, name: str) -> Any | None:
+    try:
+        return client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:
+        return None
+
+
+def score_of(client: Any, version: Any, metric: str) -> float | None:
+    """A version's `metric` from the eval run recorded on it, else its `omni.score` tag for that metric."""
+    run_id = version.tags.get("omni.eval_run_id")
+    if run_id:
+        try:
+            value = client.get_run(run_id).data.metrics.get(metric)
+        except MlflowException:
+            value = None
+        if value is not None:
+            return float(value)
+    if version.tags.get("omni.metric") == metric and version.tags.get("omni.score") not in (None, ""):
+        return float(version.tags["omni.score"])
+    return None
+
+
+def ensure_registered_model(client: Any, name: str, pipeline: str) -> None:
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, tags={"omni.pipeline": pipeline},
+                                       description=f"Checkpoints registered by pipeline {pipeline}")
+
+
+def create_version(tracker: Any, name: str, model_id: str | None, checkpoint_uri: str, **options: Any) -> Any:
+    """A new version of `name` whose source is the logged model `models:/{model_id}` (else the checkpoint
+    URI), recorded on the logged model as MLflow's `register_model` does (tag mlflow.modelVersions).
+
+    MLflow's SQL registry resolves a `models:/` source with a client of the process-wide tracking URI,
+    not this client's: that URI is set to ours for the call (under a lock; our clients all name theirs).
+    """
+    client = tracker.client
+    if model_id is None:
+        return client.create_model_version(name, source=checkpoint_uri, **options)
+    with _global_uri_lock, _use_tracking_uri(tracker.tracking_uri):
+        version = client.create_model_version(name, source=f"models:/{model_id}", model_id=model_id, **options)
+    listed = client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS)
+    entries = (json.loads(listed) if listed else []) + [{"name": name, "version": version.version}]
+    client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(entries)})
+    return version
+
+
+@register_stage("register", version="1", inputs=register_inputs, verify=version_still_there, reuse=log_reused)
+def run_register(ctx: Any) -> dict[str, Any]:
+    stage: RegisterStage = ctx.stage
+    client = ctx.tracker.client
+    evaluated = source_outcome(ctx, "eval_from", "eval").outputs
+    metrics = {mlflow_metric_name(k): v for k, v in evaluated["metrics"].items()}
+    metric = mlflow_metric_name(stage.metric)  # `mean@1` or MLflow's `mean_at_1`
+    if metric not in metrics:
+        raise ConfigError(f"stages.{stage.name}.metric: '{stage.metric}' is not a metric of the eval stage "
+                          f"(it logged: {', '.join(sorted(evaluated['metrics']))}); use one of these")
+    score = float(metrics[metric])
+    model_id = evaluated.get("model_id")
+    ensure_registered_model(client, stage.model_name, ctx.config.name)
+    champion = champion_of(client, stage.model_name)
+    champion_score = score_of(client, champion, metric) if champion is not None else None
+
+    tags = {"omni.pipeline": ctx.config.name, "omni.run_key": evaluated["run_key"],
+            "omni.checkpoint_uri": evaluated["checkpoint_uri"], "omni.checkpoint_sha256": evaluated["weights_sha256"],
+            "omni.global_step": str(evaluated["global_step"]), "omni.model_id": model_id or "",
+            "omni.training_run_id": evaluated.get("training_run_id") or "",
+            "omni.eval_run_id": evaluated["eval_run_id"], "omni.register_run_id": ctx.mlflow_run_id,
+            "omni.dataset": evaluated["dataset"], "omni.dataset_version": evaluated["dataset_version"],
+            "omni.metric": metric, "omni.score": repr(score)}
+    version = create_version(
+        ctx.tracker, stage.model_name, model_id, evaluated["checkpoint_uri"], run_id=evaluated["eval_run_id"],
+        tags=tags, description=f"{evaluated['checkpoint_uri']} ({stage.metric} {score:.6g})")
+    client.set_registered_model_alias(stage.model_name, CANDIDATE, version.version)
+
+    if champion is None:
+        promoted, why = True, "no champion yet"
+    elif champion_score is None:
+        promoted, why = True, f"champion version {champion.version} has no {stage.metric} to compare"
+    else:
+        promoted = beats(score, champion_score, stage)
+        better = "greater" if stage.greater_is_better else "lower"
+        why = (f"{stage.metric} {score:.6g} vs champion version {champion.version}'s {champion_score:.6g} "
+               f"({better} is better, margin {stage.margin:g})")
+    if promoted:
+        client.set_registered_model_alias(stage.model_name, CHAMPION, version.version)
+    decision = {"omni.promotion": PROMOTED if promoted else KEPT,
+                "omni.champion_score": "" if champion_score is None else repr(champion_score),
+                "omni.champion_version": str(champion.version) if champion is not None else "",
+                "omni.promotion_reason": why}
+    for key, value in decision.items():
+        client.set_model_version_tag(stage.model_name, version.version, key, value)
+    champion_version = version.version if promoted else champion.version
+    ctx.tracker.set_tags(ctx.mlflow_run_id, {"omni.registered_model": stage.model_name,
+                                             "omni.registered_version": version.version,
+                                             "omni.promotion": decision["omni.promotion"]})
+    ctx.progress(f"stage {stage.name}: {stage.model_name} version {version.version} is {CANDIDATE}; "
+                 f"{'promoted to' if promoted else 'kept out of'} {CHAMPION}: {why}")
+    ctx.report["registry"] = {"model_name": stage.model_name, "version": version.version, "reason": why}
+    return {"model_name": stage.model_name, "version": str(version.version), "promoted": promoted, "score": score,
+            "champion_version": str(champion_version), "champion_score": champion_score}

@@ -1,0 +1,247 @@
+"""The `eval` and `register` stage kinds in a real pipeline: ingest the digits fixture, 2 GRPO steps on
+tiny://lm (Ray actors), score the checkpoint on the test split, register it in the MLflow registry.
+
+One store and one sqlite MLflow database for three runs: seed 0, seed 1 (a different checkpoint that
+scores differently: the reward depends on the response's characters), then seed 0 again with a margin
+no score can beat (rl and eval are cache hits; register decides again: a third version, kept out of
+`champion`). Also the pipeline errors of an eval without an rl stage upstream and a register without
+an eval stage upstream.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from mlflow import MlflowClient
+
+from omni_core.config import validate_pipeline
+from omni_core.data import load_version
+from omni_core.errors import ConfigError
+from omni_core.models import load_model
+from omni_core.pipeline.run import PipelineRun
+from omni_core.pipeline.stages.eval import SAMPLE_COLUMNS, SAMPLES_TABLE
+from omni_core.storage import Store
+from omni_core.training.components import Sampling, evaluate
+from omni_core.training.ray_stage import read_split
+
+pytestmark = pytest.mark.slow
+
+MODEL_NAME = "digits-tiny"
+METRICS = ("val/reward_mean", "val-core/digits_rotate/reward/mean@1")  # verl's names (the stage's outputs)
+LOGGED = {"val/reward_mean": "val/reward_mean",  # as verl's MLflow logger spells them (MLflow refuses `@`)
+          "val-core/digits_rotate/reward/mean@1": "val-core/digits_rotate/reward/mean_at_1"}
+REWARD = '''def score(data_source, solution_str, ground_truth, extra_info=None):
+    return (sum(map(ord, solution_str)) % 97) / 96.0  # depends on every character of the response
+'''
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory):
+    cache = tmp_path_factory.getbasetemp() / "omni-model-cache"
+    started = not ray.is_initialized()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMNI_CACHE_DIR", str(cache))
+        yield cache
+    if started and ray.is_initialized():
+        ray.shutdown()
+
+
+def pipeline(workdir: Path, seed: int, margin: float = 0.0, samples: int = 3) -> dict[str, Any]:
+    reward = workdir / "reward.py"
+    reward.write_text(REWARD)
+    return {
+        "name": "eval-register-test", "store": str(workdir / "store"),
+        "tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}", "ray": {"address": "local", "num_cpus": 2},
+        "seed": seed,
+        "datasets": {"digits": {"source": "fixtures://digits?rows=16&seed=0", "converter": "digits"}},
+        "stages": [
+            {"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
+            {"name": "rl", "kind": "rl", "after": ["ingest"], "model": "tiny://lm", "data": "digits:train",
+             "rollout": {"n": 2, "max_new_tokens": 6}, "reward": {"name": f"{reward}:score"},
+             "trainer": {"total_steps": 2, "batch_size": 2, "lr": 1e-2}},
+            {"name": "eval", "kind": "eval", "after": ["rl"], "data": "digits:test", "max_new_tokens": 6,
+             "reward": {"name": f"{reward}:score"}, "samples": samples},
+            {"name": "register", "kind": "register", "after": ["eval"], "model_name": MODEL_NAME, "margin": margin},
+        ],
+    }
+
+
+def run(data: dict[str, Any]) -> PipelineRun:
+    config = validate_pipeline(data)
+    run = PipelineRun.start(config, progress=lambda line: None)
+    ok = False
+    try:
+        for stage in config.ordered_stages():
+            run.run_stage(stage.name)
+        ok = True
+    finally:
+        run.finish(ok)
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(env: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    workdir = tmp_path_factory.mktemp("eval-register")
+    first = run(pipeline(workdir, seed=0))
+    second = run(pipeline(workdir, seed=1))
+    third = run(pipeline(workdir, seed=0, margin=1e6))  # nothing beats the champion by 1e6
+    return {"workdir": workdir, "runs": [first, second, third],
+            "client": MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")}
+
+
+def outputs(run: PipelineRun, stage: str) -> dict[str, Any]:
+    return run.outcomes[stage].outputs
+
+
+def test_eval_logs_verl_metrics_linked_to_the_model_and_dataset(runs: dict[str, Any]) -> None:
+    client: MlflowClient = runs["client"]
+    for run in runs["runs"][:2]:
+        trained, evaluated = outputs(run, "rl"), outputs(run, "eval")
+        assert evaluated["model_id"] == trained["model_id"] and evaluated["model_id"]
+        assert evaluated["weights_sha256"] == trained["weights_sha256"]
+        assert evaluated["checkpoint_uri"] == trained["checkpoint_uri"]
+        eval_run = client.get_run(run.outcomes["eval"].mlflow_run_id)
+        assert set(evaluated["metrics"]) == set(METRICS)
+        assert set(eval_run.data.metrics) == set(LOGGED.values())
+        for name in METRICS:
+            assert eval_run.data.metrics[LOGGED[name]] == pytest.approx(evaluated["metrics"][name])
+        # the metrics are the logged model's, measured on the test split's dataset version
+        model = client.get_logged_model(evaluated["model_id"])
+        linked = {m.key: m for m in model.metrics if m.run_id == eval_run.info.run_id}
+        assert set(linked) == set(LOGGED.values())
+        assert {(m.dataset_name, m.dataset_digest) for m in linked.values()} == {("digits", evaluated["dataset_version"])}
+        assert all(m.step == trained["global_step"] for m in linked.values())
+        inputs = [(d.dataset.name, d.dataset.digest, {t.key: t.value for t in d.tags}.get("mlflow.data.context"))
+                  for d in eval_run.inputs.dataset_inputs]
+        assert inputs == [("digits", evaluated["dataset_version"], "eval")]
+        assert eval_run.data.tags["omni.training_run_id"] == run.outcomes["rl"].mlflow_run_id
+
+
+def test_eval_matches_the_evaluate_component_on_the_checkpoint(runs: dict[str, Any]) -> None:
+    """The stage's numbers are `components.evaluate`'s on the committed checkpoint and the test rows."""
+    run = runs["runs"][0]
+    evaluated = outputs(run, "eval")
+    store = Store(run.config.store)
+    rows = read_split(store, load_version(store, "digits", evaluated["dataset_version"]).shard_keys("test"))
+    model, tokenizer = load_model(evaluated["checkpoint_uri"], seed=0)
+    expected = evaluate(model, tokenizer, rows, reward=f"{runs['workdir'] / 'reward.py'}:score",
+                        sampling=Sampling(max_new_tokens=6, greedy=True), n=1, max_prompt_tokens=256, seed=0)
+    assert evaluated["metrics"] == pytest.approx(expected)
+
+
+def test_eval_samples_table(runs: dict[str, Any]) -> None:
+    client: MlflowClient = runs["client"]
+    run = runs["runs"][0]
+    eval_run_id = run.outcomes["eval"].mlflow_run_id
+    assert SAMPLES_TABLE in [a.path for a in client.list_artifacts(eval_run_id)]
+    table = json.loads(Path(client.download_artifacts(eval_run_id, SAMPLES_TABLE, str(runs["workdir"]))).read_text())
+    assert tuple(table["columns"]) == SAMPLE_COLUMNS
+    assert len(table["data"]) == 3  # samples: 3 rows, n 1
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    for row in rows:
+        assert row["data_source"] == "digits_rotate" and "Rotate" in row["prompt"]
+        assert row["ground_truth"].isdigit() and len(row["ground_truth"]) == 4
+        assert row["score"] == pytest.approx((sum(map(ord, row["response"])) % 97) / 96.0)
+
+
+def test_register_versions_aliases_and_decisions(runs: dict[str, Any]) -> None:
+    client: MlflowClient = runs["client"]
+    first, second, third = (outputs(r, "register") for r in runs["runs"])
+    listed = sorted(str(v.version) for v in client.search_model_versions(f"name='{MODEL_NAME}'"))
+    assert listed == ["1", "2", "3"]
+    versions = {v: client.get_model_version(MODEL_NAME, v) for v in listed}  # search leaves out aliases
+    assert [first["version"], second["version"], third["version"]] == ["1", "2", "3"]
+    scores = [outputs(r, "eval")["metrics"]["val/reward_mean"] for r in runs["runs"]]
+    assert scores[0] != scores[1], "the two seeds should give checkpoints that score differently"
+    assert scores[2] == scores[0]  # seed 0 again: the same checkpoint, eval taken from the cache
+    assert runs["runs"][2].outcomes["eval"].cache_hit and runs["runs"][2].outcomes["rl"].cache_hit
+
+    # run 1: no champion yet; run 2: champion only if it scores higher; run 3: margin 1e6, kept
+    second_wins = scores[1] > scores[0]
+    champion = "2" if second_wins else "1"
+    assert str(client.get_model_version_by_alias(MODEL_NAME, "candidate").version) == "3"
+    assert str(client.get_model_version_by_alias(MODEL_NAME, "champion").version) == champion
+    aliases = {v: set(versions[v].aliases) for v in versions}
+    assert [v for v, a in aliases.items() if "champion" in a] == [champion]
+    assert [v for v, a in aliases.items() if "candidate" in a] == ["3"]
+
+    tags = {v: versions[v].tags for v in versions}
+    assert (tags["1"]["omni.promotion"], tags["1"]["omni.champion_score"]) == ("promoted", "")
+    assert tags["2"]["omni.promotion"] == ("promoted" if second_wins else "kept")
+    assert float(tags["2"]["omni.champion_score"]) == pytest.approx(scores[0])
+    assert tags["3"]["omni.promotion"] == "kept"
+    assert float(tags["3"]["omni.champion_score"]) == pytest.approx(max(scores[0], scores[1]) if second_wins
+                                                                     else scores[0])
+    for v, score in zip(("1", "2", "3"), scores, strict=True):
+        assert float(tags[v]["omni.score"]) == pytest.approx(score)
+    assert (first["promoted"], second["promoted"], third["promoted"]) == (True, second_wins, False)
+    assert third["champion_version"] == champion
+
+    # each version is the checkpoint's logged model, linked back to its runs, key and dataset
+    for v, run in zip(("1", "2", "3"), runs["runs"], strict=True):
+        trained, evaluated = outputs(run, "rl"), outputs(run, "eval")
+        version = versions[v]
+        assert version.source == f"models:/{trained['model_id']}"
+        listed = json.loads(client.get_logged_model(trained["model_id"]).tags["mlflow.modelVersions"])
+        assert (MODEL_NAME, v) in {(e["name"], str(e["version"])) for e in listed}  # as mlflow.register_model
+        assert tags[v]["omni.run_key"] == trained["run_key"]
+        assert tags[v]["omni.checkpoint_uri"] == trained["checkpoint_uri"]
+        assert tags[v]["omni.checkpoint_sha256"] == trained["weights_sha256"]
+        assert tags[v]["omni.dataset_version"] == evaluated["dataset_version"]
+        assert tags[v]["omni.eval_run_id"] == evaluated["eval_run_id"] == version.run_id
+        training = client.get_run(tags[v]["omni.training_run_id"])
+        assert training.data.tags["omni.checkpoint_sha256"] == trained["weights_sha256"]
+        assert training.data.tags["omni.cache_hit"] == "false"
+
+
+def small_pipeline(tmp_path: Path, stages: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"name": "eval-register-errors", "store": str(tmp_path / "store"),
+            "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "datasets": {"digits": {"source": "fixtures://digits?rows=8&seed=0", "converter": "digits"}},
+            "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["digits"]}, *stages]}
+
+
+@pytest.mark.parametrize(("stages", "expected"), [
+    ([{"name": "eval", "kind": "eval", "after": ["ingest"], "data": "digits:test"}],
+     "stages.eval.after: no upstream rl stage"),
+    ([{"name": "eval", "kind": "eval", "after": ["ingest"], "data": "digits:test", "checkpoint_from": "ingest"}],
+     "stages.eval.checkpoint_from: 'ingest' is a stage of kind ingest, not rl"),
+    ([{"name": "eval", "kind": "eval", "after": ["ingest"], "data": "digits:test", "checkpoint_from": "nope"}],
+     "stages.eval.checkpoint_from: 'nope' is not a stage"),
+    ([{"name": "register", "kind": "register", "after": ["ingest"], "model_name": "m"}],
+     "stages.register.after: no upstream eval stage"),
+])
+def test_missing_upstream_stage_is_a_config_error(tmp_path: Path, stages: list[dict[str, Any]],
+                                                   expected: str) -> None:
+    config = validate_pipeline(small_pipeline(tmp_path, stages))
+    last = config.stages[-1]
+    assert expected in last.pipeline_problem(config)
+    run = PipelineRun.start(config, progress=lambda line: None)
+    run.run_stage("ingest")
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(".", r"\.")):
+        run.run_stage(last.name)
+    run.finish(False)
+
+
+def test_eval_and_register_config_keys() -> None:
+    base = {"name": "p", "datasets": {"digits": {"source": "fixtures://digits?rows=8", "converter": "digits"}},
+            "stages": [{"name": "rl", "kind": "rl", "data": "digits"},
+                       {"name": "eval", "kind": "eval", "after": ["rl"], "data": "digits:test"},
+                       {"name": "register", "kind": "register", "after": ["eval"], "model_name": "m"}]}
+    config = validate_pipeline(base)
+    evaluated, registered = config.stage("eval"), config.stage("register")
+    assert (evaluated.split(), evaluated.greedy, evaluated.n) == (("digits", "test"), True, 1)
+    assert (registered.metric, registered.greater_is_better, registered.margin) == ("val/reward_mean", True, 0.0)
+    assert evaluated.pipeline_problem(config) is None and registered.pipeline_problem(config) is None
+    bad = json.loads(json.dumps(base))
+    bad["stages"][2]["promote_if"] = {"metric": "x"}
+    with pytest.raises(ConfigError, match=r"stages\.register\.promote_if: unknown key"):
+        validate_pipeline(bad)
+    bad = json.loads(json.dumps(base))
+    bad["stages"][1]["data"] = "gsm8k:test"
+    assert "stages.eval.data: 'gsm8k' is not under datasets" in validate_pipeline(bad).stage("eval").pipeline_problem(
+        validate_pipeline(bad))
