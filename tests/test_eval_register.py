@@ -4,7 +4,7 @@ tiny://lm (Ray actors), score the checkpoint on the test split, register it in t
 One store and one sqlite MLflow database for three runs: seed 0, seed 1 (a different checkpoint that
 scores differently: the reward depends on the response's characters), then seed 0 again with a margin
 no score can beat (rl and eval are cache hits; register decides again: a third version, kept out of
-`champion`). Also the pipeline errors of an eval without an rl stage upstream and a register without
+`champion`), then that third run again (every stage a cache hit: no fourth version). Also the pipeline errors of an eval without an rl stage upstream and a register without
 an eval stage upstream.
 """
 
@@ -89,7 +89,8 @@ def runs(env: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     first = run(pipeline(workdir, seed=0))
     second = run(pipeline(workdir, seed=1))
     third = run(pipeline(workdir, seed=0, margin=1e6))  # nothing beats the champion by 1e6
-    return {"workdir": workdir, "runs": [first, second, third],
+    again = run(pipeline(workdir, seed=0, margin=1e6))  # the same again: every stage a cache hit
+    return {"workdir": workdir, "runs": [first, second, third], "again": again,
             "client": MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")}
 
 
@@ -245,3 +246,13 @@ def test_eval_and_register_config_keys() -> None:
     bad["stages"][1]["data"] = "gsm8k:test"
     assert "stages.eval.data: 'gsm8k' is not under datasets" in validate_pipeline(bad).stage("eval").pipeline_problem(
         validate_pipeline(bad))
+
+
+def test_an_unchanged_rerun_registers_nothing_new(runs: dict[str, Any]) -> None:
+    client: MlflowClient = runs["client"]
+    again, third = runs["again"], runs["runs"][2]
+    assert all(again.outcomes[s].cache_hit for s in ("ingest", "rl", "eval", "register"))
+    assert outputs(again, "register") == {**outputs(third, "register"), "reused": True}
+    assert len(client.search_model_versions(f"name='{MODEL_NAME}'")) == 3
+    run = client.get_run(again.outcomes["register"].mlflow_run_id)
+    assert (run.data.tags["omni.registered_model"], run.data.tags["omni.registered_version"]) == (MODEL_NAME, "3")
