@@ -25,7 +25,7 @@ from omni_core.models import load_model
 from omni_core.pipeline.run import PipelineRun
 from omni_core.pipeline.stages.eval import SAMPLE_COLUMNS, SAMPLES_TABLE
 from omni_core.storage import Store
-from omni_core.training.components import Sampling, evaluate
+from omni_core.training.components import Sampling, encode_prompts, evaluate, generate_rollouts
 from omni_core.training.ray_stage import read_split
 
 pytestmark = pytest.mark.slow
@@ -256,3 +256,40 @@ def test_an_unchanged_rerun_registers_nothing_new(runs: dict[str, Any]) -> None:
     assert len(client.search_model_versions(f"name='{MODEL_NAME}'")) == 3
     run = client.get_run(again.outcomes["register"].mlflow_run_id)
     assert (run.data.tags["omni.registered_model"], run.data.tags["omni.registered_version"]) == (MODEL_NAME, "3")
+
+
+def greedy_responses(model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> list[str]:
+    prompts = encode_prompts(tokenizer, rows, 256)
+    return generate_rollouts(model, tokenizer, prompts, n=1, sampling=Sampling(max_new_tokens=6, greedy=True),
+                             seed=0).responses
+
+
+def test_eval_of_a_lora_checkpoint_scores_the_base_model_with_the_trained_adapter(
+        env: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A LoRA checkpoint holds only the adapter: the stage scores its rl stage's base model with it."""
+    workdir = tmp_path_factory.mktemp("eval-lora")
+    data = pipeline(workdir, seed=0, samples=100)
+    data["stages"][1].update(lora={"rank": 4, "alpha": 8}, trainer={"total_steps": 2, "batch_size": 2, "lr": 0.05})
+    data["stages"] = data["stages"][:3]
+    done = run(data)
+    evaluated = outputs(done, "eval")
+    folder = Path(evaluated["checkpoint_uri"].removeprefix("file://"))
+    assert (folder / "adapter_config.json").is_file() and not (folder / "config.json").exists()
+
+    store = Store(done.config.store)
+    rows = read_split(store, load_version(store, "digits", evaluated["dataset_version"]).shard_keys("test"))
+    base, tokenizer = load_model("tiny://lm", seed=0, lora={"rank": 4, "alpha": 8})
+    before = greedy_responses(base, tokenizer, rows)
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(base, load_file(folder / "adapter_model.safetensors"))
+    after = greedy_responses(base, tokenizer, rows)
+    assert after != before, "the trained adapter should change some greedy response"
+
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    eval_run_id = done.outcomes["eval"].mlflow_run_id
+    table = json.loads(Path(client.download_artifacts(eval_run_id, SAMPLES_TABLE, str(workdir))).read_text())
+    assert [row[table["columns"].index("response")] for row in table["data"]] == after
+    assert evaluated["metrics"]["val/reward_mean"] == pytest.approx(
+        sum((sum(map(ord, r)) % 97) / 96.0 for r in after) / len(after))

@@ -22,13 +22,15 @@ from typing import Any
 
 from mlflow.entities import Metric
 
-from omni_core.config.models import EvalStage, upstream_stage
+from omni_core.config.models import EvalStage, RLStage, upstream_stage
 from omni_core.data import load_version
 from omni_core.errors import ConfigError
 from omni_core.lineage import log_dataset_version
+from omni_core.models import load_model
 from omni_core.pipeline.stages import register_stage
 from omni_core.pipeline.stages.rl import dataset_for
 from omni_core.storage import file_sha256
+from omni_core.training.checkpoint import checkpoint_prefix, stage_prefix
 
 SAMPLES_TABLE = "eval_samples.json"
 SAMPLE_COLUMNS = ("data_source", "prompt", "response", "ground_truth", "score")
@@ -53,6 +55,30 @@ def source_outcome(ctx: Any, field: str, kind: str) -> Any:
     check_pipeline(ctx)
     name = upstream_stage(ctx.config, ctx.stage.name, field, getattr(ctx.stage, field), kind)
     return ctx.upstream[name]
+
+
+def load_checkpoint(ctx: Any, source: Any) -> tuple[Any, Any]:
+    """(model, tokenizer or processor) of the rl stage `source`'s checkpoint. A full checkpoint is a
+    model folder like any other; a LoRA one holds only the adapter (adapter_config.json,
+    adapter_model.safetensors): its base model (the rl stage's `model`, seed and LoRA settings) with
+    the trained adapter weights loaded."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load as load_safetensors
+
+    trained = source.outputs
+    folder = checkpoint_prefix(stage_prefix(ctx.config.name, trained["run_key"], source.name), trained["global_step"])
+    if not ctx.store.exists(f"{folder}/adapter_config.json"):
+        return load_model(trained["checkpoint_uri"], seed=ctx.config.seed)
+    rl: RLStage = ctx.config.stage(source.name)
+    model, text_io = load_model(rl.model, seed=ctx.config.seed, adapter=rl.adapter, stage=rl.adapter_stage,
+                                lora=rl.lora.model_dump() if rl.lora is not None else None)
+    weights = load_safetensors(ctx.store.read_bytes(f"{folder}/adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, weights)
+    if getattr(result, "unexpected_keys", None):
+        raise ConfigError(f"stages.{ctx.stage.name}: the LoRA checkpoint {trained['checkpoint_uri']} does not fit "
+                          f"{rl.model} with stages.{rl.name}.lora ({len(result.unexpected_keys)} unexpected keys, "
+                          f"e.g. {result.unexpected_keys[0]})")
+    return model.eval(), text_io
 
 
 def reward_file(stage: EvalStage) -> Path | None:
@@ -140,7 +166,6 @@ def samples_table(records: list[dict[str, Any]], rows: int, n: int) -> dict[str,
 @register_stage("eval", version="1", inputs=eval_inputs, digest=eval_digest, reuse=log_reused,
                 reads=lambda stage: [stage.split()[0]], volatile_config=frozenset({"batch_size"}))
 def run_eval(ctx: Any) -> dict[str, Any]:
-    from omni_core.models import load_model
     from omni_core.training.ray_stage import read_split
 
     stage: EvalStage = ctx.stage
@@ -171,7 +196,7 @@ def run_eval(ctx: Any) -> dict[str, Any]:
     ctx.progress(f"stage {stage.name}: scoring {trained['checkpoint_uri']} (step {trained['global_step']}) "
                  f"on {len(rows)} rows of {key}:{split}")
     ctx.on_step(0, len(rows))
-    model, tokenizer = load_model(trained["checkpoint_uri"], seed=ctx.config.seed)
+    model, tokenizer = load_checkpoint(ctx, source)
     records = score_rows(stage, model, tokenizer, rows, ctx.config.seed)
     ctx.on_step(len(rows), len(rows))
     metrics = val_metrics(records, stage.n)
