@@ -432,8 +432,18 @@ class EvalStage(StageBase):
         key = self.split()[0]
         if key not in config.datasets:
             return f"{where}.data: '{key}' is not under datasets: ({', '.join(config.datasets) or 'none declared'})"
-        return _upstream_problem(config, self.name, "checkpoint_from", self.checkpoint_from, "rl",
-                                 "a trained checkpoint to score")
+        if config.datasets[key].converter in PREFERENCE_CONVERTERS:
+            return (f"{where}.data: '{key}' holds preference pairs (converter {config.datasets[key].converter}); "
+                    "eval scores responses to prompts with rewards: use a prompt dataset (e.g. gsm8k:test)")
+        problem = _upstream_problem(config, self.name, "checkpoint_from", self.checkpoint_from, "rl",
+                                    "a trained checkpoint to score")
+        if problem:
+            return problem
+        source = config.stage(upstream_stage(config, self.name, "checkpoint_from", self.checkpoint_from, "rl"))
+        if source.algorithm.name == "flow_grpo":
+            return (f"{where}.checkpoint_from: stage '{source.name}' trains a text-to-image diffusion model "
+                    "(flow_grpo); eval generates text with a language model: point it at an rl stage that trains one")
+        return None
 
 
 class RegisterStage(StageBase):
