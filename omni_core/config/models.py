@@ -533,6 +533,9 @@ class PipelineConfig(Strict):
             if isinstance(stage, RLStage) and (problem := _rl_stage_problem(stage, self.datasets)):
                 raise ValueError(problem)
         self.ordered_stages()  # raises on a cycle
+        for stage in self.stages:  # checks that need the whole graph (an eval's upstream rl stage, ...)
+            if (check := getattr(stage, "pipeline_problem", None)) and (problem := check(self)):
+                raise ValueError(problem)
         return self
 
     def ordered_stages(self) -> list[AnyStage]:
