@@ -11,6 +11,7 @@ an eval stage upstream.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -290,16 +291,18 @@ def test_eval_of_a_lora_checkpoint_scores_the_base_model_with_the_trained_adapte
         sum((sum(map(ord, r)) % 97) / 96.0 for r in after) / len(after))
 
 
-def test_eval_refuses_what_it_cannot_score() -> None:
-    config = validate_pipeline({
-        "name": "p", "datasets": {"pairs": {"source": "fixtures://omni_preference?rows=8", "converter": "omni_preference"},
-                                  "ocr": {"source": "fixtures://ocr?rows=8", "converter": "ocr"},
-                                  "digits": {"source": "fixtures://digits?rows=8", "converter": "digits"}},
-        "stages": [{"name": "flow", "kind": "rl", "model": "tiny://sd3", "data": "ocr",
-                    "algorithm": {"name": "flow_grpo"}},
-                   {"name": "on_pairs", "kind": "eval", "after": ["flow"], "data": "pairs:test"},
-                   {"name": "on_images", "kind": "eval", "after": ["flow"], "data": "digits:test"}]})
-    assert config.stage("on_pairs").pipeline_problem(config).startswith(
-        "stages.on_pairs.data: 'pairs' holds preference pairs")
-    assert config.stage("on_images").pipeline_problem(config).startswith(
-        "stages.on_images.checkpoint_from: stage 'flow' trains a text-to-image diffusion model")
+@pytest.mark.parametrize(("stage", "expected"), [
+    ({"name": "on_pairs", "kind": "eval", "after": ["flow"], "data": "pairs:test"},
+     "stages.on_pairs.data: 'pairs' holds preference pairs"),
+    ({"name": "on_images", "kind": "eval", "after": ["flow"], "data": "digits:test"},
+     "stages.on_images.checkpoint_from: stage 'flow' trains a text-to-image diffusion model"),
+])
+def test_eval_refuses_what_it_cannot_score(stage: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        validate_pipeline({
+            "name": "p", "datasets": {"pairs": {"source": "fixtures://omni_preference?rows=8",
+                                                "converter": "omni_preference"},
+                                      "ocr": {"source": "fixtures://ocr?rows=8", "converter": "ocr"},
+                                      "digits": {"source": "fixtures://digits?rows=8", "converter": "digits"}},
+            "stages": [{"name": "flow", "kind": "rl", "model": "tiny://sd3", "data": "ocr",
+                        "algorithm": {"name": "flow_grpo"}}, stage]})
