@@ -131,3 +131,17 @@ def tiny_model_env(model_cache: Path) -> Iterator[Path]:
         mp.setenv("OMNI_CACHE_DIR", str(model_cache))
         yield model_cache
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pipeline_model_env(model_cache: Path) -> Iterator[Path]:
+    """For a module that runs pipelines with rl stages: `$OMNI_CACHE_DIR` set to the shared model cache
+    before Ray starts (so the actors see it), and a Ray the module started shut down afterwards."""
+    import ray
+
+    started = not ray.is_initialized()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMNI_CACHE_DIR", str(model_cache))
+        yield model_cache
+    if started and ray.is_initialized():
+        ray.shutdown()

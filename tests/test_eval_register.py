@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 from mlflow import MlflowClient
 
 from omni_core.config import validate_pipeline
@@ -41,14 +40,8 @@ REWARD = '''def score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory):
-    cache = tmp_path_factory.getbasetemp() / "omni-model-cache"
-    started = not ray.is_initialized()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_CACHE_DIR", str(cache))
-        yield cache
-    if started and ray.is_initialized():
-        ray.shutdown()
+def env(pipeline_model_env: Path) -> Path:
+    return pipeline_model_env
 
 
 def pipeline(workdir: Path, seed: int, margin: float = 0.0, samples: int = 3) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 from mlflow.tracking import MlflowClient
 from safetensors.numpy import load_file
 
@@ -24,16 +23,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory):
-    """A model cache shared with the model tests (set before Ray starts, so the actors see it) and a
-    Ray of our own, shut down afterwards."""
-    cache = tmp_path_factory.getbasetemp() / "omni-model-cache"
-    started = not ray.is_initialized()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_CACHE_DIR", str(cache))
-        yield cache
-    if started and ray.is_initialized():
-        ray.shutdown()
+def env(pipeline_model_env: Path) -> Path:
+    return pipeline_model_env
 
 
 def run_pipeline(config_file: str, workdir: Path, *overrides: str) -> dict:
