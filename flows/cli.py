@@ -34,6 +34,7 @@ def _mount_subcommands() -> None:
     from flows.cli_datasets import datasets_app, ingest_command
     from flows.cli_deploy import register_commands
     from flows.cli_image import image_app
+    from flows.cli_lineage import register_commands as register_lineage
     from flows.cli_verify import register_commands as register_verify
 
     app.command("ingest")(ingest_command)
@@ -41,6 +42,7 @@ def _mount_subcommands() -> None:
     app.add_typer(image_app, name="image")
     register_commands(app)  # deploy, serve, status
     register_verify(app)  # verify
+    register_lineage(app)  # lineage
 
 
 _mount_subcommands()
