@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from omni_core.config import ConfigValidationError, PipelineConfig, load_pipeline
@@ -146,8 +147,12 @@ def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect
         if "datasets" in outputs:
             detail = ", ".join(f"{k}@{d['version']} ({sum(d['rows'].values())} rows, {d['quarantined']} quarantined)"
                                for k, d in outputs["datasets"].items())
-        elif "checkpoint_uri" in outputs:
+        elif "checkpoint_uri" in outputs and stage["kind"] == "rl":
             detail = f"global_step_{outputs['global_step']}"
+        elif "metrics" in outputs:
+            detail = ", ".join(f"{k} {v:.4g}" for k, v in outputs["metrics"].items() if k == "val/reward_mean")
+        elif "model_name" in outputs:
+            detail = f"{outputs['model_name']} version {outputs['version']}"
         else:
             detail = ""
         table.add_row(stage["name"], stage["kind"], stage["status"], f"{stage['seconds']:.1f}", detail)
@@ -155,10 +160,13 @@ def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect
     for stage in summary["stages"]:
         for key, d in stage["outputs"].get("datasets", {}).items():
             console.print(f"dataset      {key} version {d['version']}: {d['uri']}")
-        if "checkpoint_uri" in stage["outputs"]:
+        if "checkpoint_uri" in stage["outputs"] and stage["kind"] == "rl":
             out = stage["outputs"]
             console.print(f"checkpoint   {out['checkpoint_uri']} (sha256 {out['weights_sha256'][:16]}…)")
     console.print(f"mlflow       parent run {summary['mlflow_parent_run_id']} at {summary['tracking_uri']}")
+    for stage in summary["stages"]:
+        if stage["kind"] == "register" and stage["outputs"].get("version"):
+            print_registered(summary, stage["outputs"])
     from omni_core.lineage import ui_command
 
     console.print(f"open MLflow  {ui_command(summary['tracking_uri'])}")
@@ -166,6 +174,29 @@ def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect
         console.print(f"open Prefect PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)")
     else:
         console.print(f"open Prefect {os.environ.get('PREFECT_API_URL', '').removesuffix('/api')}")
+
+
+def print_registered(summary: dict, registered: dict) -> None:
+    """The model version a register stage created (or found) and its lineage, as `omni lineage` shows it."""
+    from mlflow.exceptions import MlflowException
+
+    from omni_core.lineage import Tracker
+    from omni_core.lineage.chain import format_lineage, lineage
+
+    uri = f"models:/{registered['model_name']}/{registered['version']}"
+    try:
+        chain = lineage(Tracker(summary["tracking_uri"]), uri, store_root=summary["store"])
+    except (OmniError, MlflowException) as exc:
+        console.print(f"registered   {uri} (lineage unavailable: {escape(str(exc))})")
+        return
+    mv = chain["model_version"]
+    score = f"{mv['metric']} {mv['score']:.6g}" if mv["score"] is not None else "no score"
+    reason = f" ({mv['promotion_reason']})" if mv["promotion_reason"] else ""
+    console.print(escape(f"registered   {mv['name']} version {mv['version']} "
+                         f"[{', '.join(mv['aliases']) or 'no alias'}] {score}: {mv['promotion'] or '-'}{reason}"))
+    console.print(escape(f"lineage      omni lineage {uri} --tracking-uri {summary['tracking_uri']}"))
+    for line in format_lineage(chain):
+        console.print(f"  {escape(line)}")
 
 
 @app.command()

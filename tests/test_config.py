@@ -40,7 +40,7 @@ def test_demo_config_resolves_with_defaults_and_overrides() -> None:
     assert rl.trainer.total_steps == 3 and isinstance(rl.trainer.total_steps, int)
     assert rl.rollout.temperature == 0.7
     assert config.seed == 5 and config.store == "s3://bucket/prefix"
-    assert [s.name for s in config.ordered_stages()] == ["ingest", "rl"]
+    assert [s.name for s in config.ordered_stages()] == ["ingest", "rl", "eval", "register"]
     assert rl.algorithm.name == "grpo" and rl.trainer.max_grad_norm == 1.0  # defaults filled in
 
 

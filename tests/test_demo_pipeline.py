@@ -51,9 +51,30 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_summary_names_dataset_checkpoint_and_mlflow(demo: dict) -> None:
     out = demo["first"]
     for fragment in ("pipeline gsm8k-grpo-demo finished", "dataset      gsm8k version", "checkpoint   ",
-                     "mlflow       parent run", "mlflow ui --backend-store-uri", "prefect server start"):
+                     "mlflow       parent run", "mlflow ui --backend-store-uri", "prefect server start",
+                     "registered   gsm8k-grpo-demo version 1 [candidate, champion] val/reward_mean ",
+                     "lineage      omni lineage models:/gsm8k-grpo-demo/1"):
         assert fragment in out, out[-2000:]
     assert "step 4/4" in out  # per-step progress from the Ray actor reached the terminal
+
+
+def test_summary_shows_the_registered_version_and_its_lineage(demo: dict) -> None:
+    """The register stage's model version, its lineage down to the raw files, and how to re-check it;
+    the second (cached) run shows the same version again."""
+    store = demo["store"]
+    version = (store / "datasets/gsm8k/LATEST").read_text().strip()
+    client: MlflowClient = demo["client"]
+    registered = client.get_model_version("gsm8k-grpo-demo", "1")
+    manifest = json.loads((store / "datasets/gsm8k" / version / "_manifest.json").read_text())
+    for out in (demo["first"], demo["second"]):
+        assert "  model gsm8k-grpo-demo version 1 [candidate, champion]" in out, out[-3000:]
+        assert f"checkpoint {registered.tags['omni.checkpoint_uri']} (global_step 4)" in out
+        assert f"weights sha256 {registered.tags['omni.checkpoint_sha256']}" in out
+        assert f"dataset gsm8k@{version} (training, eval)" in out
+        for raw in manifest["raw_files"]:
+            assert f"raw file {raw['path']} sha256 {raw['sha256']}" in out
+        assert f"re-check: omni verify {store / 'datasets/gsm8k' / version}" in out
+    assert len(client.search_model_versions("name='gsm8k-grpo-demo'")) == 1  # the cached run registers nothing new
 
 
 def test_dataset_version_parquet_and_manifest(demo: dict) -> None:
@@ -106,7 +127,7 @@ def test_mlflow_parent_and_child_runs_with_dataset_input(demo: dict) -> None:
         assert parent.data.tags.get(tag), tag
     children = {r.data.tags["mlflow.runName"]: r for r in runs
                 if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
-    assert set(children) == {"ingest", "rl"}
+    assert set(children) == {"ingest", "rl", "eval", "register"}
     ingested = {i.dataset.name for i in children["ingest"].inputs.dataset_inputs}
     assert ingested == {"gsm8k", "mmk12"}
     assert all(c.info.status == "FINISHED" for c in children.values())
