@@ -29,6 +29,7 @@ from typing import Any
 from mlflow.exceptions import MlflowException
 
 from omni_core.errors import OmniError
+from omni_core.lineage.redact import redact_text
 from omni_core.storage import Store
 
 MANIFEST = "_manifest.json"
@@ -48,6 +49,11 @@ _RUN_URI = re.compile(r"^runs:/(?P<run_id>[^/]+)(?:/.*)?$")
 
 class LineageError(OmniError):
     """A lineage target (model, alias, version, run) that does not exist or cannot be read."""
+
+
+def _where(client: Any) -> str:
+    """The tracking URI for messages and output, without credentials (user:password@ in a database URI)."""
+    return redact_text(client.tracking_uri)
 
 
 def _not_found(exc: MlflowException) -> bool:
@@ -103,7 +109,7 @@ def _run(client: Any, run_id: str, what: str = "run") -> Any:
     except MlflowException as exc:
         if not _not_found(exc) and exc.error_code != "INVALID_PARAMETER_VALUE":
             raise
-    raise LineageError(f"no MLflow {what} '{run_id}' at {client.tracking_uri}; give a run id from `omni run`'s "
+    raise LineageError(f"no MLflow {what} '{run_id}' at {_where(client)}; give a run id from `omni run`'s "
                        "summary or the MLflow UI, and the tracking URI it was logged to (--tracking-uri / --pipeline)"
                        ) from None
 
@@ -114,13 +120,13 @@ def _logged_model(client: Any, model_id: str) -> Any:
     except MlflowException as exc:
         if not _not_found(exc):
             raise
-    raise LineageError(f"no logged model '{model_id}' at {client.tracking_uri}; check the id and the tracking URI "
+    raise LineageError(f"no logged model '{model_id}' at {_where(client)}; check the id and the tracking URI "
                        "(--tracking-uri / --pipeline)") from None
 
 
 def resolve(client: Any, target: str | None) -> tuple[str, Any]:
     """("version", ModelVersion), ("run", Run) or ("model", LoggedModel) that `target` names."""
-    where = client.tracking_uri
+    where = _where(client)
     text = (target or "").strip()
     if not text:
         return "version", _newest_version(client, None, where)
@@ -397,10 +403,10 @@ def lineage(tracker: Any, target: str | None, store_root: str | None = None) -> 
     (an OmniError) naming an unknown model, alias, version or run and how to give a known one."""
     client = tracker.client
     try:
-        return _lineage(client, target, store_root, tracker.tracking_uri)
+        return _lineage(client, target, store_root, _where(client))
     except MlflowException as exc:
         raise LineageError(f"lineage of {target or 'the newest registered model version'}: MLflow at "
-                           f"{tracker.tracking_uri} answered: {exc.message}") from exc
+                           f"{_where(client)} answered: {redact_text(exc.message)}") from exc
 
 
 def _lineage(client: Any, target: str | None, store_root: str | None, tracking_uri: str) -> dict[str, Any]:
