@@ -9,6 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from omni_core.data import shards as shards_module
 from omni_core.data.converter import BatchConverted, RowRejected, table_records
 from omni_core.data.media import encode_image
 from omni_core.data.mmk12 import SCHEMA, MMK12Converter, write_mmk12_raw
@@ -82,7 +83,7 @@ def test_convert_batch_declines_an_unusual_image_column() -> None:
 
 
 def test_shards_do_not_dictionary_encode_media(tmp_path: Path) -> None:
-    options = ingest_module.parquet_write_options(SCHEMA)
+    options = shards_module.parquet_write_options(SCHEMA)
     assert "images.list.element.bytes" not in options["use_dictionary"]
     assert {"data_source", "extra_info.subject", "prompt.list.element.content"} <= set(options["use_dictionary"])
     table = pa.Table.from_pylist([{
@@ -97,6 +98,8 @@ def test_shards_do_not_dictionary_encode_media(tmp_path: Path) -> None:
     columns = {metadata.column(i).path_in_schema: metadata.column(i) for i in range(metadata.num_columns)}
     assert not columns["images.list.element.bytes"].has_dictionary_page
     assert columns["data_source"].has_dictionary_page
+    assert columns["images.list.element.bytes"].compression == "UNCOMPRESSED"  # PNG bytes: compressed already
+    assert {c.compression for name, c in columns.items() if name != "images.list.element.bytes"} == {"SNAPPY"}
     assert pq.read_table(path).equals(table)
 
 

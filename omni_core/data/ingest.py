@@ -8,17 +8,14 @@ A failed ingest removes what it wrote and leaves LATEST alone.
 from __future__ import annotations
 
 import base64
-import functools
 import hashlib
 import json
 import os
-import queue
 import tempfile
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +32,11 @@ from omni_core.data.converter import (
     get_converter,
     table_records,
 )
-from omni_core.data.memory import release_freed_memory, without_huge_pages
+from omni_core.data.memory import without_huge_pages
+from omni_core.data.shards import ShardWriters, parquet_write_options  # noqa: F401 (re-exported)
 from omni_core.data.sources import RawSource, resolve_source
 from omni_core.errors import DataError
 from omni_core.storage import Store
-from omni_core.storage.digest import AppendDigest
 
 MANIFEST = "_manifest.json"
 BATCH_ROWS = 256  # rows per conversion batch and per Parquet row group
@@ -311,138 +308,19 @@ def _raw_json(record: dict[str, Any]) -> str:
 def _write_split(store: Store, prefix: str, split: str, raw: RawSource, converter: Converter, shard_rows: int,
                  quarantined: list[dict[str, Any]], pool: ProcessPoolExecutor | None, spill_dir: str | None
                  ) -> dict[str, Any]:
-    shards = _ShardWriter(store, prefix, split, converter.schema, shard_rows)
-    writer = _WriterThread(shards)
+    writers = ShardWriters(store, prefix, split, converter.schema, shard_rows)
     read = skipped = 0
     try:
         for result in _converted(converter, raw, split, pool, spill_dir):
             read += result.read
             skipped += result.skipped
             quarantined.extend(result.quarantined)
-            writer.write(result.rows(), result.release)
-        writer.close()
+            writers.write(result.rows(), result.release)
+            del result  # the writers hold the batch now; this loop must not keep it alive too
+        shards = writers.close()
     except BaseException:
-        writer.abort()
+        writers.abort()
         raise
-    rows_written = sum(s["rows"] for s in shards.shards)
+    rows_written = sum(s["rows"] for s in shards)
     return {"read": read, "rows": rows_written, "quarantined": read - rows_written - skipped, "skipped": skipped,
-            "shards": shards.shards}
-
-
-@functools.cache
-def parquet_write_options(schema: pa.Schema) -> dict[str, Any]:
-    """`pq.ParquetWriter` options for output shards: pyarrow's defaults, except that raw binary
-    columns (images, audio, video) are not dictionary-encoded.
-
-    By default the writer first puts every value of a column chunk into a dictionary and falls
-    back to plain encoding only after the batch: for a row group of images that copied and hashed
-    the whole group again (with reallocations) and wrote it as one huge dictionary page. That was
-    two thirds of the time spent writing MMK12 shards. Media never repeat within a row group, so
-    the dictionary bought nothing; the values read back are the same.
-    """
-    sink = pa.BufferOutputStream()
-    pq.write_table(schema.empty_table(), sink)
-    columns = pq.ParquetFile(pa.BufferReader(sink.getvalue())).schema
-    dictionary = [c.path for c in (columns.column(i) for i in range(len(columns)))
-                  if not (c.physical_type == "BYTE_ARRAY" and c.logical_type.type == "NONE")]
-    return {"use_dictionary": dictionary}
-
-
-class _WriterThread:
-    """Feeds a _ShardWriter from a thread, so encoding, hashing and fsyncing batch k (all of which
-    release the GIL) overlap converting batch k+1. At most `depth` batches wait, which bounds memory.
-    An error in the thread is raised at the next `write` or at `close`."""
-
-    def __init__(self, shards: _ShardWriter, depth: int = 2):
-        self.shards = shards
-        self.queue: queue.Queue[tuple[pa.Table, Callable[[], None]] | None] = queue.Queue(maxsize=depth)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="omni-ingest-write", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while (item := self.queue.get()) is not None:
-            if self.error is None:  # after an error, keep draining so the producer never blocks
-                table, done = item
-                del item
-                try:
-                    self.shards.write(table)
-                    del table  # the batch's last reference: its memory is free before the release
-                    done()
-                    release_freed_memory()
-                except BaseException as exc:  # handed to the producer thread
-                    self.error = exc
-
-    def write(self, table: pa.Table, done: Callable[[], None]) -> None:
-        """Queue `table`; `done()` runs once it is written (it releases the batch's spill file)."""
-        if self.error is not None:
-            raise self.error
-        self.queue.put((table, done))
-
-    def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        self.shards.close()
-
-    def abort(self) -> None:
-        if self.thread.is_alive():
-            self.queue.put(None)
-            self.thread.join()
-        self.shards.abort()
-
-
-class _ShardWriter:
-    """Writes `{split}-{n:05d}.parquet` shards of at most `shard_rows` rows, one row group per batch.
-
-    Only the current batch is in memory, and each shard appears in the store atomically.
-    """
-
-    def __init__(self, store: Store, prefix: str, split: str, schema: pa.Schema, shard_rows: int):
-        self.store, self.prefix, self.split, self.schema, self.shard_rows = store, prefix, split, schema, shard_rows
-        self.shards: list[dict[str, Any]] = []
-        self._stack: ExitStack | None = None
-        self._writer: pq.ParquetWriter | None = None
-        self._digest: AppendDigest | None = None
-        self._path = ""
-        self._key = ""
-        self._rows = 0
-
-    def write(self, table: pa.Table) -> None:
-        while table.num_rows:
-            if self._writer is None:
-                self._open()
-            take = table.slice(0, self.shard_rows - self._rows)
-            table = table.slice(take.num_rows)
-            self._writer.write_table(take)
-            self._digest.update()  # hashed while the row group is still in the page cache
-            self._rows += take.num_rows
-            if self._rows >= self.shard_rows:
-                self.close()
-
-    def _open(self) -> None:
-        self._key = f"{self.prefix}/{self.split}-{len(self.shards):05d}.parquet"
-        self._stack = ExitStack()
-        self._path = self._stack.enter_context(self.store.write_path(self._key))
-        # a native file (no copies through Python); media columns without dictionary encoding
-        self._writer = pq.ParquetWriter(self._path, self.schema, **parquet_write_options(self.schema))
-        self._digest = AppendDigest(self._path)
-
-    def close(self) -> None:
-        if self._stack is not None:
-            self._writer.close()
-            size, digest = self._digest.finish()
-            self._stack.close()  # commits the shard
-            self.shards.append({"key": self._key, "rows": self._rows, "sha256": digest, "bytes": size})
-        self._stack, self._writer, self._digest, self._rows = None, None, None, 0
-
-    def abort(self) -> None:
-        if self._stack is not None:
-            with suppress(Exception):
-                self._writer.close()
-            if self._digest is not None:
-                self._digest.close()
-            self._stack.__exit__(DataError, DataError("ingest aborted"), None)  # discards the partial shard
-        self._stack, self._writer, self._digest, self._rows = None, None, None, 0
-
+            "shards": shards}
