@@ -24,6 +24,7 @@ from omni_core.config import DatasetConfig
 from omni_core.config.loader import ConfigValidationError, validate_pipeline
 from omni_core.config.models import ExecutionConfig, RLStage
 from omni_core.data import ingest
+from omni_core.errors import OmniError
 from omni_core.storage import Store
 from omni_core.training.checkpoint import (
     CheckpointError,
@@ -254,3 +255,15 @@ def test_a_killed_driver_is_resumed_by_the_next_run(env: Any, tmp_path: Path):
     assert result["global_step"] == 4 and not result["reused"]
     final = runs.read_json(result["checkpoint_uri"][len(runs.root) + 1:] + "/_manifest.json")
     assert policy_sha(final) == policy_sha(clean["manifest"])
+
+
+def test_a_stage_asking_more_than_the_local_ray_has_is_refused(env: Any, tmp_path: Path) -> None:
+    # the env's Ray has 4 CPUs: trainer 1 + 2 rollout workers x 2 CPUs = 5 would wait forever
+    stage = RLStage.model_validate({**stage_spec("separate_async", rollout_workers=2),
+                                    "resources": {"rollout": {"CPU": 2}}})
+    said: list[str] = []
+    run = StageRun("runner-test", stage, 0, Store(str(tmp_path)), env["rows"], env["version"], "key", "digest",
+                   progress=said.append, local_ray=True)
+    with pytest.raises(OmniError, match=r"CPU 5 \(the cluster has 4\).*raise ray.num_cpus"):
+        StageRunner(run).run()
+    assert not said  # refused before any actor started or any restart was tried

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,17 @@ def ensure_ray(cfg: RayConfig) -> None:
                         "ray.address=local") from exc
 
 
+SUBMISSION_ENV = "OMNI_RAY_SUBMISSION_ID"  # `submit` sets it in the job's environment
+
+
+def ray_tags(cfg: RayConfig) -> dict[str, str]:
+    """The Ray job this process drives (and its submission id when it runs as a submitted Ray Job)."""
+    tags = {"ray.job_id": ray.get_runtime_context().get_job_id(), "ray.address": cfg.address}
+    if submission := os.environ.get(SUBMISSION_ENV):
+        tags["ray.submission_id"] = submission
+    return tags
+
+
 def read_split(store: Store, shard_keys: list[str]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for key in shard_keys:
@@ -102,13 +114,17 @@ def run_rl_stage(*, pipeline: str, stage: RLStage, seed: int, store: Store, shar
     if not rows:
         raise DataError(f"stage {stage.name}: dataset split {stage.data} has no rows; check the ingest quarantine")
     ensure_ray(ray_config)
+    tracker = Tracker(tracking_uri) if tracking_uri else None
+    if tracker is not None and mlflow_run_id:
+        tracker.set_tags(mlflow_run_id, ray_tags(ray_config))
     ex = stage.execution
     progress(f"stage {stage.name}: training {stage.trainer.total_steps} step(s) on Ray, mode {ex.mode} "
              f"(run key {run_key})")
     runner = StageRunner(StageRun(
         pipeline=pipeline, stage=stage, seed=seed, store=store, rows=rows, dataset_version=dataset_version,
         run_key=run_key, config_digest=config_digest(stage, seed, dataset_version),
-        tracker=Tracker(tracking_uri) if tracking_uri else None, mlflow_run_id=mlflow_run_id, progress=progress))
+        tracker=tracker, mlflow_run_id=mlflow_run_id, progress=progress,
+        local_ray=ray_config.address == "local" and not os.environ.get("RAY_ADDRESS")))
     manifest = runner.run()
     return RLStageResult(run_key, manifest["global_step"], manifest["uri"], _weights_digest(manifest),
                          manifest["metrics"], reused=False, recoveries=runner.recoveries)

@@ -87,6 +87,7 @@ class StageRun:
     tracker: Any = None  # omni_core.lineage.Tracker; None: no MLflow logging
     mlflow_run_id: str | None = None
     progress: Callable[[str], None] = print
+    local_ray: bool = False  # a Ray this process started: resources it lacks will never come
     on_step: Callable[[int, dict[str, float]], None] | None = None  # after each step (tests, benchmarks)
     metrics: list[dict[str, float]] = field(default_factory=list)  # per step of the last attempt
 
@@ -163,10 +164,11 @@ class StageRunner:
 
     def _start(self) -> _Attempt:
         stage, run = self.stage, self.run_
-        rows = ray.put(run.rows)
         spec = stage.model_dump(mode="json")
         split = stage.algorithm.name in SPLIT_ALGORITHMS
         ex = stage.execution
+        self._check_capacity(split)
+        rows = ray.put(run.rows)
         trainer = TrainerWorker.options(**_options(stage.role_resources("trainer"))).remote(spec, run.seed, rows)
         rollout = [RolloutWorker.options(**_options(stage.role_resources("rollout"))).remote(
             spec, run.seed, rows, i, ex.rollout_workers) for i in range(ex.rollout_workers if split else 0)]
@@ -175,6 +177,30 @@ class StageRunner:
         self.attempt = _Attempt(trainer, rollout, reward)
         ray.get([a.pid.remote() for a in self.attempt.actors()])  # constructed (models loaded)
         return self.attempt
+
+    def _demand(self, split: bool) -> dict[str, float]:
+        """The resources all of this stage's actors ask for together."""
+        stage, ex = self.stage, self.stage.execution
+        counts = {"trainer": 1, "rollout": ex.rollout_workers if split else 0,
+                  "reward": ex.reward_workers if split and ex.async_reward else 0}
+        demand: dict[str, float] = {}
+        for role, count in counts.items():
+            for name, amount in stage.role_resources(role).items():
+                demand[name] = demand.get(name, 0.0) + count * amount
+        return {k: v for k, v in demand.items() if v}
+
+    def _check_capacity(self, split: bool) -> None:
+        """Ray waits, without a word, for resources that never come: a stage asking more than a
+        local Ray has is refused here; on a cluster (an autoscaler may add nodes) it is said."""
+        demand, total = self._demand(split), ray.cluster_resources()
+        short = {k: (v, total.get(k, 0.0)) for k, v in demand.items() if v > total.get(k, 0.0) + 1e-9}
+        if not short:
+            return
+        what = ", ".join(f"{k} {need:g} (the cluster has {have:g})" for k, (need, have) in short.items())
+        if self.run_.local_ray:
+            raise OmniError(f"stage {self.stage.name}: its actors need {what}: raise ray.num_cpus (or run on a "
+                            "cluster), or lower the stage's resources / execution.rollout_workers / reward_workers")
+        self.run_.progress(f"stage {self.stage.name}: waiting for the cluster to provide {what}")
 
     def _stop(self) -> None:
         if self.attempt is not None:

@@ -21,7 +21,8 @@ from omni_core.config import RayConfig, RLStage
 from omni_core.data import DatasetVersion, load_version
 from omni_core.errors import ConfigError
 from omni_core.lineage import log_dataset_version
-from omni_core.lineage.models import checkpoint_models, log_checkpoint_model
+from omni_core.lineage.models import checkpoint_models
+from omni_core.lineage.training import log_training_result, log_training_start
 from omni_core.pipeline.report import curve_png
 from omni_core.pipeline.stages import register_stage
 from omni_core.pipeline.stages.build_images import upstream_images
@@ -111,10 +112,14 @@ def checkpoint_committed(ctx: Any, outputs: dict[str, Any]) -> bool:
     return ctx.store.exists(f"{checkpoint_prefix(root, outputs['global_step'])}/{MANIFEST}")
 
 
-def lineage_tags(ctx: Any, outputs: dict[str, Any]) -> None:
+def image_tags(ctx: Any) -> None:
     for target, image in upstream_images(ctx).items():  # the images this pipeline built for its stages
         ctx.tracker.set_tags(ctx.mlflow_run_id, {f"omni.image.{target}.ref": image["pinned_ref"],
                                                  f"omni.image.{target}.digest": image["digest"] or ""})
+
+
+def lineage_tags(ctx: Any, outputs: dict[str, Any]) -> None:
+    image_tags(ctx)
     ctx.tracker.set_tags(ctx.mlflow_run_id, {
         "omni.run_key": outputs["run_key"], "omni.checkpoint_uri": outputs["checkpoint_uri"],
         "omni.checkpoint_sha256": outputs["weights_sha256"], "omni.cache_hit": str(outputs["reused"]).lower()})
@@ -160,13 +165,7 @@ def run_rl(ctx: Any) -> dict[str, Any]:
     if split not in dv.manifest["splits"]:
         raise ConfigError(f"stages.{stage.name}.data: dataset '{key}' has no split '{split}' "
                           f"(has: {', '.join(dv.manifest['splits'])})")
-    log_dataset_version(ctx.tracker, ctx.mlflow_run_id, dv, context="training")
-    ctx.tracker.log_params(ctx.mlflow_run_id, {
-        "algorithm": stage.algorithm.name, "model": stage.model, "seed": ctx.config.seed,
-        "dataset": f"{key}@{dv.version}:{split}", "rollout.n": stage.rollout.n,
-        "trainer.total_steps": stage.trainer.total_steps, "trainer.batch_size": stage.trainer.batch_size,
-        "trainer.lr": stage.trainer.lr, "reward": stage.reward.name,
-    })
+    log_training_start(ctx.tracker, ctx.mlflow_run_id, stage, ctx.config.seed, dv, split)
     if ctx.force:  # train again on purpose: without the pointer the committed checkpoint is not found
         root = stage_prefix(ctx.config.name, rl_run_key(stage, ctx.config.seed, dv.version), stage.name)
         ctx.progress(f"stage {stage.name}: --force: training again (uncommitting {root}/{LATEST})")
@@ -185,15 +184,11 @@ def run_rl(ctx: Any) -> dict[str, Any]:
     outputs = {"run_key": result.run_key, "global_step": result.global_step, "checkpoint_uri": result.checkpoint_uri,
                "weights_sha256": result.weights_sha256, "dataset_version": dv.version,
                "final_metrics": result.final_metrics, "reused": result.reused}
-    lineage_tags(ctx, outputs)
-    if not result.reused:  # a reused checkpoint has its logged model from the run that trained it
-        outputs["model_id"] = log_checkpoint_model(
-            ctx.tracker, ctx.mlflow_run_id, ctx.config.name, name=f"{ctx.config.name}-{stage.name}",
-            checkpoint_uri=result.checkpoint_uri, weights_sha256=result.weights_sha256,
-            global_step=result.global_step, run_key=result.run_key,
-            params={"algorithm": stage.algorithm.name, "model": stage.model, "dataset": f"{key}@{dv.version}:{split}",
-                    "seed": ctx.config.seed})
-    else:
+    image_tags(ctx)
+    outputs["model_id"] = log_training_result(
+        ctx.tracker, ctx.mlflow_run_id, pipeline=ctx.config.name, experiment=ctx.config.name, stage=stage,
+        seed=ctx.config.seed, dataset=f"{key}@{dv.version}:{split}", result=result)
+    if result.reused:  # its logged model is the one the run that trained it logged
         found = checkpoint_models(ctx.tracker, ctx.config.name, result.run_key)
         outputs["model_id"] = found[0].model_id if found else None
     curve = save_reward_curve(ctx, training_run(ctx, result.run_key) if result.reused else ctx.mlflow_run_id)
