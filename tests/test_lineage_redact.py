@@ -102,3 +102,26 @@ def test_redact_text_and_structures(monkeypatch: pytest.MonkeyPatch) -> None:
     assert redact_text("integration testing") == "integration testing"
     assert redact({"token": None, "secret": 3, "password": "", "auth": {"kind": "basic"}}) == {
         "token": None, "secret": 3, "password": "", "auth": {"kind": REDACTED}}
+
+
+def test_registry_versions_keep_secrets_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The register stage writes the registry through the client directly: its version tags,
+    description and source are redacted too."""
+    from omni_core.pipeline.stages.register import create_version, ensure_registered_model
+
+    env_secret, uri_password = _secret("awsSecret"), _secret("uriPass")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", env_secret)
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = tracker.start_run("redact", run_name="eval", tags={})
+    ensure_registered_model(tracker.client, "m", f"pipeline-{env_secret}")
+    checkpoint = f"s3://minio:{uri_password}@127.0.0.1:9000/bucket/ckpt/global_step_2"
+    version = create_version(tracker, "m", None, checkpoint, run_id=run_id,
+                             tags={"omni.checkpoint_uri": checkpoint, "aws_secret_access_key": env_secret,
+                                   "omni.run_key": "0123abcd"},
+                             description=f"{checkpoint} (val/reward_mean 0.5)")
+    data = (tmp_path / "mlflow.db").read_bytes()
+    assert env_secret.encode() not in data and uri_password.encode() not in data
+    stored = tracker.client.get_model_version("m", version.version)
+    assert stored.tags["omni.run_key"] == "0123abcd" and stored.tags["aws_secret_access_key"] == REDACTED
+    assert stored.tags["omni.checkpoint_uri"].endswith("@127.0.0.1:9000/bucket/ckpt/global_step_2")
+    assert REDACTED in stored.tags["omni.checkpoint_uri"] and REDACTED in stored.source

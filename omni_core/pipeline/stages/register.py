@@ -26,6 +26,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 
 from omni_core.config.models import RegisterStage
 from omni_core.errors import ConfigError
+from omni_core.lineage.redact import redact_mapping, redact_text
 from omni_core.pipeline.stages import register_stage
 from omni_core.pipeline.stages.eval import eval_digest, mlflow_metric_name, source_outcome
 
@@ -85,8 +86,8 @@ def ensure_registered_model(client: Any, name: str, pipeline: str) -> None:
     try:
         client.get_registered_model(name)
     except MlflowException:
-        client.create_registered_model(name, tags={"omni.pipeline": pipeline},
-                                       description=f"Checkpoints registered by pipeline {pipeline}")
+        client.create_registered_model(name, tags=redact_mapping({"omni.pipeline": pipeline}),
+                                       description=redact_text(f"Checkpoints registered by pipeline {pipeline}"))
 
 
 def create_version(tracker: Any, name: str, model_id: str | None, checkpoint_uri: str, **options: Any) -> Any:
@@ -97,6 +98,10 @@ def create_version(tracker: Any, name: str, model_id: str | None, checkpoint_uri
     not this client's: that URI is set to ours for the call (under a lock; our clients all name theirs).
     """
     client = tracker.client
+    # the registry is written through the client directly: its tags and description are redacted here
+    options = {**options, "tags": redact_mapping(options.get("tags") or {}),
+               "description": redact_text(options.get("description") or "")}
+    checkpoint_uri = redact_text(checkpoint_uri)
     if model_id is None:
         return client.create_model_version(name, source=checkpoint_uri, **options)
     with _global_uri_lock, _use_tracking_uri(tracker.tracking_uri):
@@ -150,7 +155,7 @@ def run_register(ctx: Any) -> dict[str, Any]:
                 "omni.champion_score": "" if champion_score is None else repr(champion_score),
                 "omni.champion_version": str(champion.version) if champion is not None else "",
                 "omni.promotion_reason": why}
-    for key, value in decision.items():
+    for key, value in redact_mapping(decision).items():
         client.set_model_version_tag(stage.model_name, version.version, key, value)
     champion_version = version.version if promoted else champion.version
     ctx.tracker.set_tags(ctx.mlflow_run_id, {"omni.registered_model": stage.model_name,
