@@ -24,7 +24,7 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -ra
+	$(BIN)/python -m pytest -ra --durations=15
 
 lint: setup
 	$(BIN)/ruff check .
