@@ -32,7 +32,7 @@ from omni_core.data.converter import (
     get_converter,
     table_records,
 )
-from omni_core.data.memory import without_huge_pages
+from omni_core.data.memory import release_freed_memory, without_huge_pages
 from omni_core.data.shards import ShardWriters, parquet_write_options  # noqa: F401 (re-exported)
 from omni_core.data.sources import RawSource, resolve_source
 from omni_core.errors import DataError
@@ -282,7 +282,7 @@ def _converted_here(converter: Converter, raw: RawSource, split: str) -> Iterato
     with ThreadPoolExecutor(1, thread_name_prefix="omni-ingest-read") as reader:
         ahead: tuple[Work, Future | None] | None = None
         for work in _work(converter, raw, split):
-            upcoming = (work, reader.submit(work.read, raw) if isinstance(work, Chunk) else None)
+            upcoming = (work, reader.submit(_read_released, work, raw) if isinstance(work, Chunk) else None)
             if ahead is not None:
                 yield _convert_ahead(converter, raw, split, ahead)
             ahead = upcoming
@@ -290,10 +290,22 @@ def _converted_here(converter: Converter, raw: RawSource, split: str) -> Iterato
             yield _convert_ahead(converter, raw, split, ahead)
 
 
+def _read_released(work: Chunk, raw: RawSource) -> pa.Table:
+    """`work.read` on the reader thread, after handing back what that thread's heap holds freed.
+
+    Arrow's allocator keeps a heap per thread, and a raw batch freed by a writer thread returns to
+    the reader's heap, which only that thread can give back: without this the reader's heap held a
+    few batches' worth more at the peak (measured: peak RSS 380-480 MB with it, 450-570 without)."""
+    release_freed_memory()
+    return work.read(raw)
+
+
 def _convert_ahead(converter: Converter, raw: RawSource, split: str, ahead: tuple[Work, Future | None]
                    ) -> _Converted:
     work, table = ahead
-    return _convert_work(converter.name, raw, split, work, table=None if table is None else table.result())
+    converted = _convert_work(converter.name, raw, split, work, table=None if table is None else table.result())
+    release_freed_memory()  # the converting thread's heap, likewise
+    return converted
 
 
 def _raw_json(record: dict[str, Any]) -> str:
