@@ -49,6 +49,8 @@ def verify_command(
         "--pipeline", "-p", help="Take the store root from this pipeline file's `store:`.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (every file and the summary).")] = False,
     workers: Annotated[int, typer.Option("--workers", min=1, help="Files hashed at once.")] = 4,
+    raw: Annotated[bool, typer.Option("--raw", help="Also re-hash each dataset version's raw source files "
+                                                    "(resolving its source again: read, downloaded or regenerated).")] = False,
 ) -> None:
     """Re-hash every dataset shard and checkpoint file and compare it with the sha256 its manifest
     recorded: one line per file (ok, MISMATCH, MISSING), then a summary; exit 1 if any does not match."""
@@ -57,7 +59,7 @@ def verify_command(
     t = resolve_target(target, store_root(store, pipeline))
     summary = Summary(t.store.root, t.label)
     checks = []
-    for check in verify(t.store, t.prefix, workers=workers):
+    for check in verify(t.store, t.prefix, workers=workers, raw=raw):
         summary.add(check)
         if as_json:
             checks.append(check.to_json())
@@ -66,7 +68,7 @@ def verify_command(
         if check.status == "MISMATCH":
             line += f"  expected sha256 {check.expected_sha256}, actual {check.actual_sha256}"
         elif check.status == "MISSING":
-            line += f"  expected sha256 {check.expected_sha256}: no such object"
+            line += f"  expected sha256 {check.expected_sha256}: " + (escape(check.detail) or "no such object")
         elif check.status == "INVALID":
             line += f"  {escape(check.detail)}"
         console.print(line)

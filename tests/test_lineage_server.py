@@ -264,10 +264,13 @@ def test_lineage_cli_of_the_champion_matches_the_store(served: dict[str, Any]) -
     assert dataset["raw_files"]
 
     # every digest shown can be re-checked with `omni verify`: the commands name what the manifests hold
-    assert [r["command"] for r in chain["recheck"]] == [f"omni verify {ck['uri']}", f"omni verify {dataset['uri']}"]
+    assert [r["command"] for r in chain["recheck"]] == [f"omni verify {ck['uri']}",
+                                                        f"omni verify {dataset['uri']} --raw"]
     for item in chain["recheck"]:
-        summary, _ = verify_target(item["uri"], store.root)
+        summary, checks = verify_target(item["uri"], store.root, raw=item["command"].endswith("--raw"))
         assert summary.ok and summary.total > 0, item
+    raw_checked = {c.key: c.expected_sha256 for c in checks if c.kind == "raw"}  # the fixture regenerated
+    assert raw_checked == {f["path"]: f["sha256"] for f in dataset["raw_files"]}
 
 
 @pytest.mark.slow

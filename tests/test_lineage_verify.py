@@ -156,3 +156,33 @@ def test_an_unreadable_manifest_is_reported_not_skipped(tmp_path: Path) -> None:
     summary, checks = verify_target(None, store.root)
     assert [(c.key, c.status) for c in checks] == [("datasets/broken/v1/_manifest.json", INVALID)]
     assert "not valid JSON" in checks[0].detail and not summary.ok
+
+
+def test_raw_source_files_are_checked_with_raw(tmp_path: Path) -> None:
+    """`--raw` resolves the version's source again and compares every raw file lineage shows."""
+    from omni_core.data.fixtures import write_fixture
+
+    raw = tmp_path / "raw"
+    write_fixture("gsm8k", raw, rows=6)
+    store = Store(str(tmp_path / "store"))
+    version = ingest(store, "gsm8k", DatasetConfig(source=str(raw), converter="gsm8k"), progress=lambda _: None).version
+    listed = sorted(f["path"] for f in store.read_json(f"datasets/gsm8k/{version}/_manifest.json")["raw_files"])
+    assert listed  # the manifest names the raw files it was made from
+
+    summary, checks = verify_target(f"gsm8k@{version}", store.root, raw=True)
+    assert summary.ok and sorted(c.key for c in checks if c.kind == "raw") == listed
+    summary, checks = verify_target(f"gsm8k@{version}", store.root)
+    assert not [c for c in checks if c.kind == "raw"]  # only when asked: it may download a whole dataset
+
+    first = raw / listed[0]
+    first.write_bytes(first.read_bytes() + b"\n")  # the source changed after the ingest
+    (raw / listed[-1]).unlink() if len(listed) > 1 else None
+    summary, checks = verify_target(f"gsm8k@{version}", store.root, raw=True)
+    status = {c.key: c.status for c in checks if c.kind == "raw"}
+    assert not summary.ok and status[listed[0]] == "MISMATCH"
+    if len(listed) > 1:
+        assert status[listed[-1]] == "MISSING"
+    assert all(c.status == "ok" for c in checks if c.kind == "dataset")  # the store itself is intact
+
+    cli = omni("verify", f"gsm8k@{version}", "--store", store.root, "--raw", cwd=tmp_path)
+    assert cli.returncode == 1 and "MISMATCH" in cli.stdout and listed[0] in cli.stdout

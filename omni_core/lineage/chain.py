@@ -308,7 +308,7 @@ def _check_dataset(entry: dict[str, Any], store_root: str | None) -> None:
     store, manifest, status, detail = _read_manifest([store_root, derived[0] if derived else None], key)
     entry.update(raw_files=[], manifest_uri="", store_check={"status": status, "detail": detail})
     if manifest is None:
-        entry["recheck"] = f"omni verify {entry['uri'] or entry['name'] + '@' + entry['version']}"
+        entry["recheck"] = f"omni verify {entry['uri'] or entry['name'] + '@' + entry['version']} --raw"
         return
     assert store is not None
     entry["uri"] = entry["uri"] or store.uri(key)
@@ -327,7 +327,7 @@ def _check_dataset(entry: dict[str, Any], store_root: str | None) -> None:
     entry["counts"] = manifest.get("counts", entry["counts"])
     entry["converter"] = manifest.get("converter", entry["converter"])
     entry["store_check"] = {"status": MISMATCH if differences else OK, "detail": "; ".join(differences)}
-    entry["recheck"] = f"omni verify {store.uri(key)}"
+    entry["recheck"] = f"omni verify {store.uri(key)} --raw"  # --raw: the raw files' sha256s too
 
 
 def _checkpoint(uri: str, sha256: str, global_step: str | int | None, model_id: str, run_key: str,

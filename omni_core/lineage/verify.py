@@ -6,6 +6,10 @@ What is checked (storage layout in DESIGN.md):
 - a checkpoint, `runs/.../checkpoints/global_step_{N}/_manifest.json`: every file it lists
   (`files[].path`, relative to the checkpoint folder, and `.sha256`).
 
+With `raw`, a dataset version's raw input is checked too: its source URI is resolved again (a local
+directory read in place, an s3:// prefix or hub dataset downloaded, a fixture regenerated) and every
+raw file the manifest lists (`raw_files[].path`, `.sha256`) is hashed and compared.
+
 Only committed objects (those whose manifest exists) are checked: a folder without its manifest is
 a write still in progress, or an interrupted one, and nothing in it was ever promised.
 
@@ -51,7 +55,7 @@ class Target:
 class FileCheck:
     """The outcome for one file a manifest lists."""
 
-    kind: str  # "dataset" | "checkpoint"
+    kind: str  # "dataset" | "checkpoint" | "raw" (a dataset version's raw source file)
     object: str  # the dataset version (NAME@VERSION) or the checkpoint folder (store key)
     key: str  # the file's store key
     uri: str
@@ -79,7 +83,7 @@ class Summary:
 
     def add(self, check: FileCheck) -> None:
         self.counts[check.status] += 1
-        (self.datasets if check.kind == "dataset" else self.checkpoints).add(check.object)
+        (self.datasets if check.kind in ("dataset", "raw") else self.checkpoints).add(check.object)
 
     @property
     def total(self) -> int:
@@ -208,20 +212,44 @@ def _check(store: Store, e: _Expected) -> FileCheck:
     return FileCheck(e.kind, e.object, e.key, uri, OK if actual == e.sha256 else MISMATCH, e.sha256, actual, e.bytes)
 
 
+def _raw_checks(store: Store, manifest_key: str) -> list[FileCheck]:
+    """The raw source files of the dataset version whose manifest is `manifest_key`, hashed again."""
+    from omni_core.data.sources import resolve_source  # only with --raw: it may download or regenerate
+
+    folder = manifest_key.rsplit("/", 1)[0]
+    label = "@".join(folder.split("/")[1:3])
+    try:
+        manifest = store.read_json(manifest_key)
+        listed = {f["path"]: f["sha256"] for f in manifest["raw_files"]}
+        source = manifest["source_uri"]
+    except (ValueError, KeyError, TypeError) as exc:
+        return [FileCheck("raw", label, manifest_key, store.uri(manifest_key), INVALID, None,
+                          detail=f"manifest lists no raw files ({type(exc).__name__}: {exc})")]
+    try:
+        found = resolve_source(source).files
+    except OmniError as exc:
+        return [FileCheck("raw", label, path, f"{source} {path}", MISSING, sha,
+                          detail=f"source cannot be read: {exc}") for path, sha in sorted(listed.items())]
+    return [FileCheck("raw", label, path, f"{source} {path}",
+                      MISSING if path not in found else OK if found[path] == sha else MISMATCH, sha, found.get(path))
+            for path, sha in sorted(listed.items())]
+
+
 def verify(store: Store, prefix: str = "", *, workers: int = 4,
-           on_manifest: Callable[[str], None] | None = None) -> Iterator[FileCheck]:
+           on_manifest: Callable[[str], None] | None = None, raw: bool = False) -> Iterator[FileCheck]:
     """One FileCheck per file listed by every committed manifest at or under `prefix`, in manifest
-    order. Raises VerifyError when `prefix` names something that holds no committed manifest."""
+    order (with `raw`, each dataset version's raw source files after its shards). Raises VerifyError
+    when `prefix` names something that holds no committed manifest."""
     keys = manifest_keys(store, prefix)
     if not keys:
         where = store.uri(prefix)
         raise VerifyError(f"nothing to verify at {where}: no committed dataset version or checkpoint "
                           f"(no {MANIFEST}) there; check the store root (--store) and the name or key")
-    yield from _verify_manifests(store, keys, workers=workers, on_manifest=on_manifest)
+    yield from _verify_manifests(store, keys, workers=workers, on_manifest=on_manifest, raw=raw)
 
 
 def _verify_manifests(store: Store, keys: Iterable[str], *, workers: int,
-                      on_manifest: Callable[[str], None] | None) -> Iterator[FileCheck]:
+                      on_manifest: Callable[[str], None] | None, raw: bool = False) -> Iterator[FileCheck]:
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="omni-verify") as pool:
         for key in keys:
             if on_manifest:
@@ -230,14 +258,17 @@ def _verify_manifests(store: Store, keys: Iterable[str], *, workers: int,
             if invalid is not None:
                 yield invalid
             yield from pool.map(lambda e: _check(store, e), expected)
+            if raw and _DATASET_MANIFEST.match(key):
+                yield from _raw_checks(store, key)
 
 
-def verify_target(target: str | None, store_root: str, *, workers: int = 4) -> tuple[Summary, list[FileCheck]]:
+def verify_target(target: str | None, store_root: str, *, workers: int = 4,
+                  raw: bool = False) -> tuple[Summary, list[FileCheck]]:
     """Every check for `target` (see resolve_target) and their summary, in one call."""
     t = resolve_target(target, store_root)
     summary = Summary(t.store.root, t.label)
     checks = []
-    for check in verify(t.store, t.prefix, workers=workers):
+    for check in verify(t.store, t.prefix, workers=workers, raw=raw):
         summary.add(check)
         checks.append(check)
     return summary, checks
