@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from mlflow import MlflowClient
+from pipeline_runs import run_in_order
 
 from omni_core.config import validate_pipeline
 from omni_core.data import load_version
@@ -65,16 +66,7 @@ def pipeline(workdir: Path, seed: int, margin: float = 0.0, samples: int = 3) ->
 
 
 def run(data: dict[str, Any]) -> PipelineRun:
-    config = validate_pipeline(data)
-    run = PipelineRun.start(config, progress=lambda line: None)
-    ok = False
-    try:
-        for stage in config.ordered_stages():
-            run.run_stage(stage.name)
-        ok = True
-    finally:
-        run.finish(ok)
-    return run
+    return run_in_order(validate_pipeline(data))
 
 
 @pytest.fixture(scope="module")

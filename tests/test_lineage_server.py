@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 from mlflow_server import MlflowServer, mlflow_server, s3_environment  # noqa: F401  (fixture)
+from pipeline_runs import run_in_order
 from typer.testing import CliRunner
 
 from omni_core.lineage import Tracker, verify_target
@@ -58,18 +59,8 @@ def pipeline(workdir: Path, store: str, tracking_uri: str, seed: int) -> dict[st
 
 def run_pipeline(data: dict[str, Any]) -> Any:
     from omni_core.config import validate_pipeline
-    from omni_core.pipeline.run import PipelineRun
 
-    config = validate_pipeline(data)
-    run = PipelineRun.start(config, progress=lambda line: None)
-    ok = False
-    try:
-        for stage in config.ordered_stages():
-            run.run_stage(stage.name)
-        ok = True
-    finally:
-        run.finish(ok)
-    return run
+    return run_in_order(validate_pipeline(data))
 
 
 @pytest.fixture(scope="module")

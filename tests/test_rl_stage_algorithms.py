@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
+from pipeline_runs import run_in_order
 from safetensors.numpy import load_file
 
 from omni_core.config import load_pipeline
-from omni_core.pipeline import PipelineRun
 from omni_core.training import rl_run_key
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,14 +31,7 @@ def run_pipeline(config_file: str, workdir: Path, *overrides: str) -> dict:
     config = load_pipeline(ROOT / "configs" / config_file, [
         f"store={workdir / 'store'}", f"tracking_uri=sqlite:///{workdir / 'mlflow.db'}", "ray.num_cpus=2", *overrides])
     lines: list[str] = []
-    run = PipelineRun.start(config, progress=lines.append)
-    ok = False
-    try:
-        for stage in config.ordered_stages():
-            run.run_stage(stage.name)
-        ok = True
-    finally:
-        run.finish(ok)
+    run = run_in_order(config, progress=lines.append)
     return {"config": config, "run": run, "lines": lines}
 
 
