@@ -13,11 +13,12 @@ flattens); requests per CPU second (the process's CPU time, best of the repeats)
 on a shared machine they move less with the load. Torch runs on `--threads` CPU threads (default 1, so the figures say what batching buys,
 not how many cores there are). `--quick` uses 16 requests.
 
-Diffusion also gets `serial_split_cfg`: one request at a time with True-CFG as two batch-1 forwards
-(conditional, then unconditional) per step, as VeRL-Omni's serial baseline runs it; its own row, with
-request_32 over it as `request_32_over_split_cfg` (the other speed-ups stay over our serial, which
-packs both branches into one forward). The engine's forwards are `sd3_inference_forward`;
-`--plain-forward` runs the diffusers forward instead (the figures before it existed).
+Diffusion's `serial` is the serial baseline of the published 2.09x (REFERENCE.md section 1): one
+request at a time, B=1 forwards, True-CFG as two forwards per step (conditional, then
+unconditional). `serial_packed_cfg` is one request at a time through the engine itself
+(max_num_seqs 1), both CFG branches in one batch-2 forward; `request_32_over_packed_cfg` is
+request_32 over it. The engine's forwards are `sd3_inference_forward`; `--plain-forward` runs the
+diffusers forward instead (the figures before it existed).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODES = {"serial": (1, False), "request_8": (8, False), "request_16": (16, False), "request_32": (32, False),
-         "request_64": (64, False), "step_32": (32, True)}
-SPLIT_CFG = "serial_split_cfg"
+# mode -> (max_num_seqs, step_execution, model variant)
+MODES = {"serial": (1, False, None), "request_8": (8, False, None), "request_16": (16, False, None),
+         "request_32": (32, False, None), "request_64": (64, False, None), "step_32": (32, True, None)}
+SPLIT_CFG = "split_cfg"
+PACKED_CFG = "serial_packed_cfg"
 
 
 def _count(module) -> int:
@@ -43,8 +46,8 @@ def _count(module) -> int:
 
 
 def split_cfg(model):
-    """`model` with True-CFG as two forwards (conditional, then unconditional), as VeRL-Omni's serial
-    baseline runs it; the same numbers as one packed forward up to float rounding."""
+    """`model` with True-CFG as two forwards (conditional, then unconditional), as the published serial
+    baseline runs it (REFERENCE.md section 1); the same numbers as one packed forward up to float rounding."""
     import dataclasses
 
     from omni_core.models import SD3Model
@@ -74,11 +77,13 @@ def diffusion_work(requests: int, device: str, plain_forward: bool = False):
     def make() -> list:
         return [RolloutRequest(prompts[i % len(prompts)], sampling, seed=i) for i in range(requests)]
 
-    def build(config, mode=None):
-        return DiffusionEngine(split if mode == SPLIT_CFG else model, config, inference_kernels=not plain_forward)
+    def build(config, variant=None):
+        return DiffusionEngine(split if variant == SPLIT_CFG else model, config, inference_kernels=not plain_forward)
 
     params = _count(model.transformer) + _count(model.text_encoder)
-    return build, make, params, [SPLIT_CFG]
+    modes = {"serial": (1, False, SPLIT_CFG), PACKED_CFG: (1, False, None),
+             **{mode: spec for mode, spec in MODES.items() if mode != "serial"}}
+    return build, make, params, modes
 
 
 def ar_work(requests: int, device: str):
@@ -96,20 +101,19 @@ def ar_work(requests: int, device: str):
     def make() -> list:
         return [RolloutRequest(prompts[i], sampling, seed=i) for i in range(requests)]
 
-    return (lambda config, mode=None: ARengine(model, tokenizer, config)), make, _count(model), []
+    return (lambda config, variant=None: ARengine(model, tokenizer, config)), make, _count(model), MODES
 
 
-def measure(build, make, repeats: int, extra_modes: list[str]) -> dict[str, float]:
+def measure(build, make, repeats: int, modes: dict[str, tuple]) -> dict[str, float]:
     from omni_core.rollout import EngineConfig
 
     with build(EngineConfig(max_num_seqs=4)) as engine:  # warm-up: first forwards, allocator, caches
         engine.generate(make()[:4])
-    modes = {**MODES, **{mode: (1, False) for mode in extra_modes}}
     best = dict.fromkeys(modes, float("inf"))
     best_cpu = dict.fromkeys(modes, float("inf"))
     for _ in range(repeats):  # round-robin: load changes on a shared machine hit every mode alike
-        for mode, (max_num_seqs, step) in modes.items():
-            with build(EngineConfig(max_num_seqs=max_num_seqs, step_execution=step), mode) as engine:
+        for mode, (max_num_seqs, step, variant) in modes.items():
+            with build(EngineConfig(max_num_seqs=max_num_seqs, step_execution=step), variant) as engine:
                 requests = make()
                 start, start_cpu = time.perf_counter(), time.process_time()
                 engine.generate(requests)
@@ -123,11 +127,11 @@ def measure(build, make, repeats: int, extra_modes: list[str]) -> dict[str, floa
         out[f"{mode}_cpu_speedup"] = round(out[f"{mode}_per_cpu_s"] / out["serial_per_cpu_s"], 2)
         print(f"  {mode:16s} {out[f'{mode}_rps']:8.2f} req/s   {out[f'{mode}_speedup']:5.2f}x serial   "
               f"{out[f'{mode}_per_cpu_s']:8.2f} req/CPU-s   {out[f'{mode}_cpu_speedup']:5.2f}x", flush=True)
-    if SPLIT_CFG in modes:
-        out["request_32_over_split_cfg"] = round(out["request_32_rps"] / out[f"{SPLIT_CFG}_rps"], 2)
-        out["request_32_over_split_cfg_cpu"] = round(out["request_32_per_cpu_s"] / out[f"{SPLIT_CFG}_per_cpu_s"], 2)
-        print(f"  request_32 over {SPLIT_CFG}: {out['request_32_over_split_cfg']:.2f}x "
-              f"({out['request_32_over_split_cfg_cpu']:.2f}x per CPU second)", flush=True)
+    if PACKED_CFG in modes:
+        out["request_32_over_packed_cfg"] = round(out["request_32_rps"] / out[f"{PACKED_CFG}_rps"], 2)
+        out["request_32_over_packed_cfg_cpu"] = round(out["request_32_per_cpu_s"] / out[f"{PACKED_CFG}_per_cpu_s"], 2)
+        print(f"  request_32 over {PACKED_CFG}: {out['request_32_over_packed_cfg']:.2f}x "
+              f"({out['request_32_over_packed_cfg_cpu']:.2f}x per CPU second)", flush=True)
     return out
 
 
@@ -155,9 +159,9 @@ def main() -> None:
     if not chosen or any(w not in works for w in chosen):
         parser.error(f"--workload {args.workload!r}: use a comma-separated subset of {', '.join(works)}")
     for name, work in ((w, works[w]) for w in chosen):
-        build, make, params, extra_modes = work(requests, args.device)
+        build, make, params, modes = work(requests, args.device)
         print(f"{name}: {requests} requests, model parameters {params:,} ({args.device})", flush=True)
-        figures[name] = {"params": params, **measure(build, make, repeats, extra_modes)}
+        figures[name] = {"params": params, **measure(build, make, repeats, modes)}
     if args.json:
         print(json.dumps(figures))
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_core.errors import ConfigError
+from omni_core.rollout.memory import keep_freed_memory
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class RolloutEngine:
 
     def __init__(self, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
+        keep_freed_memory()  # the same activations every step: reuse their pages (see memory.py)
         if self.config.step_execution and not self.supports_step_execution:
             raise ConfigError(f"{type(self).__name__} does not support step_execution=true")
         self.policy_version = 0
