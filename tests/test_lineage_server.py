@@ -466,6 +466,22 @@ def test_no_registered_version_and_no_database(tmp_path: Path) -> None:
     assert not (tmp_path / "absent.db").exists()
 
 
+def test_a_tracking_server_that_does_not_answer_fails_in_seconds() -> None:
+    import socket
+    import time
+
+    from omni_core.errors import ConfigError
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    start = time.monotonic()
+    result = lineage_cli("--tracking-uri", uri)
+    assert isinstance(result.exception, ConfigError), (result.output, result.exception)
+    assert f"tracking_uri {uri}: no MLflow server answers there" in str(result.exception)
+    assert time.monotonic() - start < 30  # MLflow's own retries alone would take minutes
+
+
 def test_cli_json_on_sqlite(local: dict[str, Any]) -> None:
     result = lineage_cli("models:/m@champion", "--json", "--tracking-uri", local["tracker"].tracking_uri,
                          "--store", local["store"].root)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -24,6 +26,7 @@ from omni_core.errors import ConfigError
 from omni_core.lineage.redact import env_secrets, redact, redact_mapping, redact_text
 
 TAG_PREFIX = "omni."
+REACHABLE_TIMEOUT_S = 5.0
 
 
 def sqlite_path(tracking_uri: str) -> Path | None:
@@ -39,6 +42,23 @@ def normalize_tracking_uri(tracking_uri: str) -> str:
     return f"sqlite:///{db.resolve()}" if db is not None else tracking_uri
 
 
+def check_reachable(tracking_uri: str, timeout_s: float = REACHABLE_TIMEOUT_S) -> None:
+    """An MLflow server at `tracking_uri` answers within `timeout_s`, else a ConfigError naming it.
+
+    MLflow's own client retries a refused connection 7 times with exponential backoff, so against a
+    server that is down every call waits minutes before it fails; one plain request up front fails in
+    seconds. Any HTTP answer counts (a proxy may not serve /health); only no answer is an error."""
+    try:
+        with urllib.request.urlopen(tracking_uri.rstrip("/") + "/health", timeout=timeout_s):
+            return
+    except urllib.error.HTTPError:
+        return
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ConfigError(f"tracking_uri {tracking_uri}: no MLflow server answers there ({reason}); start it "
+                          "(mlflow server --host HOST --port PORT) or give the tracking URI the runs were logged to") from exc
+
+
 class Tracker:
     def __init__(self, tracking_uri: str):
         self.tracking_uri = normalize_tracking_uri(tracking_uri)
@@ -49,6 +69,8 @@ class Tracker:
             except OSError as exc:
                 raise ConfigError(f"tracking_uri {tracking_uri}: cannot create {db.parent} ({exc.strerror}); "
                                   "choose a writable location") from exc
+        if urlparse(self.tracking_uri).scheme in ("http", "https"):
+            check_reachable(self.tracking_uri)
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
 
     def experiment_id(self, name: str) -> str:
