@@ -28,7 +28,7 @@ from omni_core.errors import ConfigError
 from omni_core.lineage import log_dataset_version
 from omni_core.models import load_model
 from omni_core.pipeline.stages import register_stage
-from omni_core.pipeline.stages.rl import dataset_for
+from omni_core.pipeline.stages.rl import dataset_for, input_dataset
 from omni_core.storage import file_sha256
 from omni_core.training.checkpoint import checkpoint_prefix, stage_prefix
 
@@ -171,12 +171,7 @@ def run_eval(ctx: Any) -> dict[str, Any]:
     stage: EvalStage = ctx.stage
     source = source_outcome(ctx, "checkpoint_from", "rl")
     trained = source.outputs
-    dataset = ctx.inputs["dataset"]
-    key, split = dataset["name"], dataset["split"]
-    dv = load_version(ctx.store, key, dataset["version"])
-    if split not in dv.manifest["splits"]:
-        raise ConfigError(f"stages.{stage.name}.data: dataset '{key}' has no split '{split}' "
-                          f"(has: {', '.join(dv.manifest['splits'])}); use {key}:SPLIT")
+    key, split, dv = input_dataset(ctx)
     rows = read_split(ctx.store, dv.shard_keys(split))[:stage.max_rows]
     if not rows:
         raise ConfigError(f"stages.{stage.name}.data: split '{split}' of dataset '{key}' ({dv.version}) has no rows")

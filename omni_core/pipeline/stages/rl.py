@@ -84,6 +84,16 @@ def dataset_for(ctx: Any, key: str) -> DatasetVersion:
     return load_version(ctx.store, key)
 
 
+def input_dataset(ctx: Any) -> tuple[str, str, DatasetVersion]:
+    """(dataset key, split, version) of the stage's `dataset` input, the split checked to exist."""
+    key, split = ctx.inputs["dataset"]["name"], ctx.inputs["dataset"]["split"]
+    dv = load_version(ctx.store, key, ctx.inputs["dataset"]["version"])
+    if split not in dv.manifest["splits"]:
+        raise ConfigError(f"stages.{ctx.stage.name}.data: dataset '{key}' has no split '{split}' "
+                          f"(has: {', '.join(dv.manifest['splits'])}); use {key}:SPLIT")
+    return key, split, dv
+
+
 def reward_file(stage: RLStage) -> Path | None:
     """The file of a custom `path.py:function` reward the algorithm uses, if any."""
     if "reward" not in stage.model_dump(mode="json"):
@@ -159,12 +169,7 @@ def save_reward_curve(ctx: Any, run_id: str | None) -> dict[str, Any] | None:
                 volatile_config=frozenset({"num_cpus"}))
 def run_rl(ctx: Any) -> dict[str, Any]:
     stage: RLStage = ctx.stage
-    dataset = ctx.inputs["dataset"]
-    key, split = dataset["name"], dataset["split"]
-    dv = load_version(ctx.store, key, dataset["version"])
-    if split not in dv.manifest["splits"]:
-        raise ConfigError(f"stages.{stage.name}.data: dataset '{key}' has no split '{split}' "
-                          f"(has: {', '.join(dv.manifest['splits'])})")
+    key, split, dv = input_dataset(ctx)
     log_training_start(ctx.tracker, ctx.mlflow_run_id, stage, ctx.config.seed, dv, split)
     if ctx.force:  # train again on purpose: without the pointer the committed checkpoint is not found
         root = stage_prefix(ctx.config.name, rl_run_key(stage, ctx.config.seed, dv.version), stage.name)
