@@ -42,6 +42,11 @@ def normalize_tracking_uri(tracking_uri: str) -> str:
     return f"sqlite:///{db.resolve()}" if db is not None else tracking_uri
 
 
+def inherited_tags(parent_tags: dict[str, str]) -> dict[str, str]:
+    """The tags of a pipeline run that its stage runs carry too: omni.* and prefect.*."""
+    return {k: v for k, v in parent_tags.items() if k.startswith((TAG_PREFIX, "prefect."))}
+
+
 def check_reachable(tracking_uri: str, timeout_s: float = REACHABLE_TIMEOUT_S) -> None:
     """An MLflow server at `tracking_uri` answers within `timeout_s`, else a ConfigError naming it.
 

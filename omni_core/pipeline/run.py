@@ -22,6 +22,7 @@ from omni_core.config import PipelineConfig, config_digest
 from omni_core.config.models import AnyStage
 from omni_core.errors import ConfigError
 from omni_core.lineage import Tracker, git_commit
+from omni_core.lineage.tracking import inherited_tags
 from omni_core.pipeline import cache
 from omni_core.pipeline.graph import StageGraph, check_data_flow
 from omni_core.pipeline.params import check_force
@@ -138,8 +139,7 @@ class PipelineRun:
         return cls(config, store, tracker, parent, digest, progress, forced, commit)
 
     def stage_tags(self, stage_name: str, kind: str) -> dict[str, str]:
-        parent_tags = self.tracker.client.get_run(self.parent_run_id).data.tags
-        inherited = {k: v for k, v in parent_tags.items() if k.startswith(("omni.", "prefect."))}
+        inherited = inherited_tags(self.tracker.client.get_run(self.parent_run_id).data.tags)
         return {**inherited, "omni.stage": stage_name, "omni.stage_kind": kind}
 
     # ---- one stage -----------------------------------------------------------------------------

@@ -71,6 +71,7 @@ def start_child_run(config: PipelineConfig, stage: RLStage, parent_run_id: str) 
 
     from omni_core.config import config_digest
     from omni_core.lineage import Tracker, git_commit
+    from omni_core.lineage.tracking import inherited_tags
 
     tracker = Tracker(config.tracking_uri)
     try:
@@ -78,8 +79,7 @@ def start_child_run(config: PipelineConfig, stage: RLStage, parent_run_id: str) 
     except MlflowException as exc:
         raise ConfigError(f"--mlflow-parent-run-id {parent_run_id}: no such run at {tracker.tracking_uri}; "
                           "give the pipeline run's MLflow run id") from exc
-    inherited = {k: v for k, v in parent.data.tags.items() if k.startswith(("omni.", "prefect."))}
-    tags = {**inherited, "omni.pipeline": config.name, "omni.stage": stage.name, "omni.stage_kind": stage.kind,
+    tags = {**inherited_tags(parent.data.tags), "omni.pipeline": config.name, "omni.stage": stage.name, "omni.stage_kind": stage.kind,
             "omni.config_digest": config_digest(config), "omni.git_commit": git_commit()}
     experiment = tracker.client.get_experiment(parent.info.experiment_id).name
     return tracker, tracker.start_run(experiment, run_name=stage.name, tags=tags, parent_run_id=parent_run_id)
