@@ -79,3 +79,28 @@ def test_abort_discards_shards_in_progress(tmp_path: Path) -> None:
     assert left in ([], ["train-00000.parquet"])  # the full shard may have been committed before the abort
     for name in left:
         assert pq.read_table(folder / name).num_rows == 100
+
+
+def _write_bytes_limited(store: Store, threads: int, batch_rows: list[int], shard_bytes: int) -> list[dict]:
+    writers = ShardWriters(store, "v1", "train", SCHEMA, shard_rows=1000, threads=threads, shard_bytes=shard_bytes)
+    first = 0
+    for rows in batch_rows:
+        writers.write(_batch(first, rows))
+        first += rows
+    return writers.close()
+
+
+def test_a_byte_limit_ends_shards_early_and_the_same_way_on_every_thread_count(tmp_path: Path) -> None:
+    row_bytes = _batch(0, 10).nbytes / 10  # ~4.1 KB a row
+    batches = [7, 13, 1, 20, 9, 30, 4]
+    one = _write_bytes_limited(Store(str(tmp_path / "one")), 1, batches, shard_bytes=int(10.5 * row_bytes))
+    four = _write_bytes_limited(Store(str(tmp_path / "four")), 4, batches, shard_bytes=int(10.5 * row_bytes))
+    assert [s["rows"] for s in one] == [10] * 8 + [4]  # 10 rows fit in 10.5 rows' bytes, 11 do not
+    assert [(s["key"], s["sha256"]) for s in four] == [(s["key"], s["sha256"]) for s in one]
+    rows = pa.concat_tables(pq.read_table(tmp_path / "four" / s["key"]) for s in four)
+    assert rows.column("index").to_pylist() == list(range(sum(batches)))  # nothing lost or reordered
+
+
+def test_a_row_larger_than_the_byte_limit_gets_a_shard_of_its_own(tmp_path: Path) -> None:
+    shards = _write_bytes_limited(Store(str(tmp_path)), 2, [3, 2], shard_bytes=100)
+    assert [s["rows"] for s in shards] == [1] * 5

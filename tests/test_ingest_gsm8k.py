@@ -61,6 +61,13 @@ def test_reingest_is_a_no_op_and_latest_names_the_version(store: Store) -> None:
     other = ingest(store, "gsm8k", config.model_copy(update={"shard_rows": 3}), progress=lambda _: None)
     assert other.version != first.version and len(other.shard_keys("train")) == 3  # 8 rows -> 3+3+2
     assert load_version(store, "gsm8k").version == other.version
+    assert first.manifest["options"] == {"shard_rows": 10_000}  # an unset byte limit leaves the ids as they were
+    limited = ingest(store, "gsm8k", DatasetConfig.model_validate({**config.model_dump(), "shard_bytes": "4KiB"}),
+                     progress=lambda _: None)
+    assert limited.version not in (first.version, other.version)
+    assert limited.manifest["options"] == {"shard_rows": 10_000, "shard_bytes": 4096}
+    assert 1 < len(limited.shard_keys("train")) < 8  # a few rows per 4 KiB shard
+    assert limited.manifest["counts"]["rows"] == first.manifest["counts"]["rows"]
 
 
 def test_bad_rows_are_quarantined_and_counts_add_up(store: Store) -> None:

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    ByteSize,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
@@ -33,8 +34,19 @@ class DatasetConfig(Strict):
     source: str = Field(description="fixtures://NAME?rows=N&seed=S, a local directory, s3://... or hf://...")
     converter: str = Field(description="Name of the converter in omni_core.data (e.g. gsm8k).")
     shard_rows: int = Field(10_000, ge=1, description="Rows per output Parquet shard.")
+    shard_bytes: ByteSize | None = Field(
+        None, gt=0, description="Also end a shard before its rows pass about this much Arrow data (e.g. 512MiB; "
+                                "for image, audio and video datasets, whose rows are large); default: rows only.")
     max_quarantine_fraction: float = Field(
         0.05, ge=0, le=1, description="Fail the ingest when more than this share of rows is quarantined.")
+
+    @model_serializer(mode="wrap")
+    def _dump_without_unset_byte_limit(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """No `shard_bytes` key while it is unset: config digests and cache keys stay what they were."""
+        data = handler(self)
+        if data.get("shard_bytes") is None:
+            data.pop("shard_bytes", None)
+        return data
 
 
 class StageBase(Strict):

@@ -94,7 +94,9 @@ def ingest(store: Store, name: str, config: DatasetConfig, progress: Progress = 
     """Convert `config.source` with `config.converter` and commit it as a version of dataset `name`."""
     converter = get_converter(config.converter)
     raw = resolve_source(config.source)
-    options = {"shard_rows": config.shard_rows}
+    options: dict[str, Any] = {"shard_rows": config.shard_rows}
+    if config.shard_bytes is not None:  # only when set: the ids of versions ingested without it stay
+        options["shard_bytes"] = int(config.shard_bytes)
     version = version_id(converter, raw, options)
     prefix = dataset_prefix(name, version)
     if store.exists(f"{prefix}/{MANIFEST}"):
@@ -134,8 +136,7 @@ def _convert(store: Store, name: str, version: str, prefix: str, raw: RawSource,
             spill_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="omni-ingest-", dir=shm))
             pool = stack.enter_context(ProcessPoolExecutor(workers))
         for split in splits:
-            entries[split] = _write_split(store, prefix, split, raw, converter, config.shard_rows, quarantined,
-                                          pool, spill_dir)
+            entries[split] = _write_split(store, prefix, split, raw, converter, config, quarantined, pool, spill_dir)
             e = entries[split]
             progress(f"dataset {name}: {split}: {e['read']} read, {e['rows']} written in {len(e['shards'])} "
                      f"shard(s), {e['quarantined']} quarantined, {e['skipped']} skipped")
@@ -317,10 +318,11 @@ def _raw_json(record: dict[str, Any]) -> str:
     return json.dumps(record, default=encode, sort_keys=True)
 
 
-def _write_split(store: Store, prefix: str, split: str, raw: RawSource, converter: Converter, shard_rows: int,
+def _write_split(store: Store, prefix: str, split: str, raw: RawSource, converter: Converter, config: DatasetConfig,
                  quarantined: list[dict[str, Any]], pool: ProcessPoolExecutor | None, spill_dir: str | None
                  ) -> dict[str, Any]:
-    writers = ShardWriters(store, prefix, split, converter.schema, shard_rows)
+    writers = ShardWriters(store, prefix, split, converter.schema, config.shard_rows,
+                           shard_bytes=None if config.shard_bytes is None else int(config.shard_bytes))
     read = skipped = 0
     try:
         for result in _converted(converter, raw, split, pool, spill_dir):

@@ -1,12 +1,15 @@
-"""Writing one split's output shards: `{split}-{n:05d}.parquet`, `shard_rows` rows each, one row
-group per batch, each shard hashed while it is written and committed atomically by the store.
+"""Writing one split's output shards: `{split}-{n:05d}.parquet`, `shard_rows` rows each (and, with
+`shard_bytes`, about that many bytes of Arrow data at most), one row group per batch, each shard
+hashed while it is written and committed atomically by the store.
 
 `ShardWriters` writes up to `threads` shards at once, each on its own thread. Encoding a row group,
 writing it into the page cache, hashing it and fsyncing the shard all run without the GIL, and for
 media-heavy data they are most of an ingest's work, so on two cores one writer thread was the
 bottleneck while the conversion waited. Shard boundaries are fixed by row counts as they arrive
 (every shard but a split's last holds exactly `shard_rows` rows), so the output is the same bytes
-whatever `threads` is.
+whatever `threads` is. A `shard_bytes` limit is also decided from the data alone: each batch's rows
+are counted at that batch's mean size (its Arrow `nbytes` over its rows), and a shard takes rows
+while they fit, at least one.
 """
 
 from __future__ import annotations
@@ -126,18 +129,20 @@ _Item = tuple[pa.Table, _Countdown] | None  # None: the shard is complete
 
 
 class ShardWriters:
-    """Writes a split's batches, in order, into shards of `shard_rows` rows, up to `threads` shards
-    at once. An error on a writer thread is raised at the next `write` or at `close`; after `abort`
+    """Writes a split's batches, in order, into shards of `shard_rows` rows (fewer where `shard_bytes`
+    is reached first), up to `threads` shards at once. An error on a writer thread is raised at the next `write` or at `close`; after `abort`
     (or an error) no partial shard is left behind, but shards already committed stay (the caller
     deletes the version folder)."""
 
     def __init__(self, store: Store, prefix: str, split: str, schema: pa.Schema, shard_rows: int,
-                 threads: int = WRITE_THREADS):
+                 threads: int = WRITE_THREADS, shard_bytes: int | None = None):
         self.store, self.prefix, self.split, self.schema, self.shard_rows = store, prefix, split, schema, shard_rows
+        self.shard_bytes = shard_bytes
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="omni-ingest-write")
         self._futures: list[Future[dict[str, Any] | None]] = []
         self._current: queue.Queue[_Item] | None = None
         self._rows = 0  # rows sent to the current shard
+        self._bytes = 0.0  # their Arrow bytes, each batch's rows at that batch's mean size
         self._error: BaseException | None = None
         self._aborted = False
         # One budget across all shards (not a queue bound per shard): how many shards are open at
@@ -151,17 +156,23 @@ class ShardWriters:
             done()
             return
         pieces: list[tuple[queue.Queue[_Item], pa.Table | None]] = []
+        row_bytes = table.nbytes / table.num_rows if self.shard_bytes else 0.0
         while table.num_rows:
             if self._current is None:
                 self._current = queue.Queue()
                 key = f"{self.prefix}/{self.split}-{len(self._futures):05d}.parquet"
                 self._futures.append(self._pool.submit(self._write_shard, key, self._current))
-                self._rows = 0
-            take = table.slice(0, self.shard_rows - self._rows)
-            table = table.slice(take.num_rows)
-            pieces.append((self._current, take))
-            self._rows += take.num_rows
-            if self._rows >= self.shard_rows:
+                self._rows, self._bytes = 0, 0.0
+            room = self.shard_rows - self._rows
+            if self.shard_bytes and row_bytes:
+                room = min(room, max(int((self.shard_bytes - self._bytes) // row_bytes), 0 if self._rows else 1))
+            if room:
+                take = table.slice(0, room)
+                table = table.slice(take.num_rows)
+                pieces.append((self._current, take))
+                self._rows += take.num_rows
+                self._bytes += take.num_rows * row_bytes
+            if not room or self._rows >= self.shard_rows or (self.shard_bytes and self._bytes >= self.shard_bytes):
                 pieces.append((self._current, None))
                 self._current = None
         self._in_flight.acquire()  # blocks while the writers hold the budget; they always drain
