@@ -195,10 +195,10 @@ def test_checkpoint_upload_cut_half_way_keeps_the_previous_checkpoint_and_the_ru
     assert not clean_error, clean_error
     assert expected, "the uninterrupted run did not finish"
     assert clean.recoveries == 0 and expected["global_step"] == 4
-    assert _sha(manifest, "state/policy.safetensors") == _sha(expected, "state/policy.safetensors")
+    assert _sha(manifest, "state/policy.json") == _sha(expected, "state/policy.json")  # the policy is the weights
     assert _sha(manifest, manifest["weights"]) == _sha(expected, expected["weights"])
     step2 = json.loads(_objects(s3_client, s3_bucket, f"{root}/checkpoints/global_step_2/{MANIFEST}")[""])
-    assert _sha(step2, "state/policy.safetensors") != _sha(manifest, "state/policy.safetensors")  # steps 3-4 trained
+    assert _sha(step2, step2["weights"]) != _sha(manifest, manifest["weights"])  # steps 3-4 trained
 
     # the leftovers of the failed attempt were replaced: global_step_4 holds exactly its manifest's
     # files, each matching its sha256, and is the latest; global_step_2 is still there (max_to_keep 2)

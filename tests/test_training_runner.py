@@ -94,7 +94,10 @@ def train(env: Any, spec: dict[str, Any], *, kill: str | None = None, store: Sto
 
 
 def policy_sha(manifest: dict[str, Any]) -> str:
-    return next(f["sha256"] for f in manifest["files"] if f["path"] == "state/policy.safetensors")
+    """The digest of the trained weights: a full fine-tune's policy is the exported weights file
+    (state/policy.json points there), anything else is state/policy.safetensors."""
+    files = {f["path"]: f["sha256"] for f in manifest["files"]}
+    return files.get("state/policy.safetensors") or files[manifest["weights"]]
 
 
 def clean_run(env: Any, mode: str) -> dict[str, Any]:
@@ -172,8 +175,9 @@ def test_a_checkpoint_holds_the_full_training_state(env: Any):
     assert checkpoint_steps(store, root_key) == {2: True, 4: True}
     assert store.read_text(f"{root_key}/latest_checkpointed_iteration.txt").strip() == "4"
     paths = {f["path"] for f in manifest["files"]}
-    assert {"model.safetensors", "state/policy.safetensors", "state/optimizer.pt", "state/rng.safetensors",
-            "state/state.json"} <= paths
+    assert {"model.safetensors", "state/policy.json", "state/optimizer.pt", "state/rng.safetensors",
+            "state/state.json"} <= paths  # a full fine-tune: the policy is read from model.safetensors
+    assert "state/policy.safetensors" not in paths
     for f in manifest["files"]:  # every file listed with the digest of its bytes
         assert store.sha256(f"{manifest['uri'][len(store.root) + 1:]}/{f['path']}") == f["sha256"]
     state = load_training_state(store, manifest)

@@ -10,7 +10,9 @@ processor. An `SD3Model` (no `save_pretrained` of its own) is written as the com
 and omni_pipeline.json. The manifest's `weights` names the file of the trained weights.
 
 A checkpoint a run can resume from also holds `state/` (`TrainingState`): the trainable parameters
-(`policy.safetensors`: the whole model, or only the LoRA adapter), the optimizer (`optimizer.pt`, read
+(`policy.safetensors`: the whole model, or only the LoRA adapter; when every one of them is already in
+the exported weights under its own name, bit for bit, as after a full fine-tune, `policy.json` names
+the weights file to read them from instead, so the model is not stored twice), the optimizer (`optimizer.pt`, read
 back with `torch.load(weights_only=True)`, never unpickling arbitrary objects), every actor's RNG
 (`rng.safetensors`), the weights of older policy versions that batches still to come are generated
 with (`rollout_version_{v}.safetensors`, separate_async), and `state.json` (global step, policy
@@ -63,10 +65,15 @@ class TrainingState:
     rollout_versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
-def _state_files(state: TrainingState) -> dict[str, bytes]:
+POLICY_REFERENCE = "state/policy.json"
+
+
+def _state_files(state: TrainingState, policy_in: dict[str, list[str]] | None = None) -> dict[str, bytes]:
     buffer = io.BytesIO()
     torch.save(state.optimizer, buffer)
-    files = {"state/policy.safetensors": save_safetensors(_contiguous(state.policy)),
+    policy = ({POLICY_REFERENCE: (json.dumps({"weights": policy_in}, sort_keys=True, indent=2) + "\n").encode()}
+              if policy_in else {"state/policy.safetensors": save_safetensors(_contiguous(state.policy))})
+    files = {**policy,
              "state/optimizer.pt": buffer.getvalue(),
              "state/rng.safetensors": save_safetensors(_contiguous(state.rng)),
              "state/state.json": (json.dumps({**state.info, "rollout_versions": sorted(state.rollout_versions)},
@@ -74,6 +81,28 @@ def _state_files(state: TrainingState) -> dict[str, bytes]:
     for version, weights in state.rollout_versions.items():
         files[f"state/rollout_version_{version}.safetensors"] = save_safetensors(_contiguous(weights))
     return files
+
+
+def _policy_in_weights(policy: dict[str, torch.Tensor], folder: Path, weights: list[str]
+                       ) -> dict[str, list[str]] | None:
+    """{weights file: the policy names it holds} when every policy tensor is in the exported weights
+    files under its own name with the same dtype and values; else None (a LoRA adapter's names, tied
+    or converted weights: the policy is then written out whole)."""
+    from safetensors import safe_open
+
+    if not policy or not weights:
+        return None
+    found: dict[str, list[str]] = {}
+    left = set(policy)
+    for rel in weights:
+        with safe_open(str(folder / rel), framework="pt") as f:
+            for name in sorted(left & set(f.keys())):
+                saved, ours = f.get_tensor(name), policy[name].detach().cpu()
+                if saved.dtype != ours.dtype or saved.shape != ours.shape or not torch.equal(saved, ours):
+                    return None
+                found.setdefault(rel, []).append(name)
+                left.discard(name)
+    return found if not left else None
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -90,9 +119,6 @@ def save_checkpoint(store: Store, stage_root: str, step: int, model: Any, tokeni
     store.delete(prefix)  # the leftovers of an earlier, failed write of this step
     files = []
     with tempfile.TemporaryDirectory(prefix="omni-ckpt-") as tmp:
-        for rel, data in (_state_files(state) if state is not None else {}).items():
-            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
-            (Path(tmp) / rel).write_bytes(data)
         trained = Path(tmp)
         if hasattr(model, "save_pretrained"):
             model.save_pretrained(tmp, safe_serialization=True)
@@ -102,6 +128,11 @@ def save_checkpoint(store: Store, stage_root: str, step: int, model: Any, tokeni
         else:
             raise TypeError(f"cannot checkpoint a {type(model).__name__}: it has no save_pretrained")
         weights = sorted(p.relative_to(tmp).as_posix() for p in trained.glob("*.safetensors"))
+        if state is not None:
+            policy_in = _policy_in_weights(state.policy, Path(tmp), weights)
+            for rel, data in _state_files(state, policy_in).items():
+                (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+                (Path(tmp) / rel).write_bytes(data)
         for path in sorted(p for p in Path(tmp).rglob("*") if p.is_file()):
             rel = path.relative_to(tmp).as_posix()
             key = f"{prefix}/{rel}"
@@ -163,8 +194,15 @@ def load_training_state(store: Store, manifest: dict[str, Any]) -> TrainingState
 
     info = json.loads(read("state/state.json"))
     optimizer = torch.load(io.BytesIO(read("state/optimizer.pt")), weights_only=True)
+    if POLICY_REFERENCE in listed:  # the policy is the exported weights (module docstring)
+        policy: dict[str, torch.Tensor] = {}
+        for rel, names in json.loads(read(POLICY_REFERENCE))["weights"].items():
+            tensors = load_safetensors(read(rel))
+            policy.update((name, tensors[name]) for name in names)
+    else:
+        policy = load_safetensors(read("state/policy.safetensors"))
     return TrainingState(
-        policy=load_safetensors(read("state/policy.safetensors")), optimizer=optimizer,
+        policy=policy, optimizer=optimizer,
         rng=load_safetensors(read("state/rng.safetensors")), info=info,
         rollout_versions={int(v): load_safetensors(read(f"state/rollout_version_{v}.safetensors"))
                           for v in info.get("rollout_versions", [])})
