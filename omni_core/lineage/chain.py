@@ -35,18 +35,18 @@ from omni_core.lineage.lineage_mlflow import (
     EVAL_METRIC_PREFIXES,
     TARGET_FORMS,
     TRAINING_KINDS,
-    _dataset_inputs,
-    _eval,
-    _merge,
-    _model_of_run,
-    _model_version,
-    _run,
-    _sibling_training_run,
-    _start,
-    _tags,
-    _training,
-    _where,
+    dataset_inputs,
+    eval_summary,
+    fetch_run,
+    merge_datasets,
+    model_of_run,
+    model_version_summary,
     resolve,
+    run_tags,
+    sibling_training_run,
+    start_of_chain,
+    tracking_location,
+    training_summary,
 )
 from omni_core.lineage.lineage_store import (
     MANIFEST,
@@ -55,8 +55,8 @@ from omni_core.lineage.lineage_store import (
     OK,
     UNKNOWN,
     UNREACHABLE,
-    _check_dataset,
-    _checkpoint,
+    check_dataset,
+    checkpoint_summary,
 )
 from omni_core.lineage.redact import redact_text
 
@@ -69,14 +69,14 @@ def lineage(tracker: Any, target: str | None, store_root: str | None = None) -> 
     (an OmniError) naming an unknown model, alias, version or run and how to give a known one."""
     client = tracker.client
     try:
-        return _lineage(client, target, store_root, _where(client))
+        return _lineage(client, target, store_root, tracking_location(client))
     except MlflowException as exc:
         raise LineageError(f"lineage of {target or 'the newest registered model version'}: MLflow at "
-                           f"{_where(client)} answered: {redact_text(exc.message)}") from exc
+                           f"{tracking_location(client)} answered: {redact_text(exc.message)}") from exc
 
 
 def _lineage(client: Any, target: str | None, store_root: str | None, tracking_uri: str) -> dict[str, Any]:
-    version, eval_run, training_run, logged = _start(client, *resolve(client, target))
+    version, eval_run, training_run, logged = start_of_chain(client, *resolve(client, target))
     warnings: list[str] = []
     chain: dict[str, Any] = {"target": target or "", "tracking_uri": tracking_uri, "store": store_root or "",
                              "model_version": None, "eval": None, "training": [], "checkpoint": None,
@@ -84,18 +84,18 @@ def _lineage(client: Any, target: str | None, store_root: str | None, tracking_u
 
     version_tags: dict[str, str] = {}
     if version is not None:
-        chain["model_version"] = _model_version(version)
+        chain["model_version"] = model_version_summary(version)
         version_tags = chain["model_version"]["tags"]
         eval_id = version_tags.get("omni.eval_run_id") or version.run_id
         if eval_id:
             try:
-                eval_run = _run(client, eval_id, "eval run")
+                eval_run = fetch_run(client, eval_id, "eval run")
             except LineageError as exc:
                 warnings.append(str(exc))
 
     model_id = (chain["model_version"] or {}).get("model_id", "") if version is not None else ""
     if eval_run is not None:
-        chain["eval"] = _eval(eval_run)
+        chain["eval"] = eval_summary(eval_run)
         model_id = model_id or chain["eval"]["model_id"]
     if logged is None and model_id:
         try:
@@ -103,34 +103,34 @@ def _lineage(client: Any, target: str | None, store_root: str | None, tracking_u
         except MlflowException as exc:
             warnings.append(f"logged model {model_id}: {exc.message}")
     if logged is None and training_run is not None:
-        found = _model_of_run(client, training_run)
+        found = model_of_run(client, training_run)
         logged = client.get_logged_model(found) if found else None
 
     # the training run that produced the checkpoint, and the run the chain came through if another one
     # (an rl stage that found the checkpoint committed: a cache hit)
     producing_id = ((logged.source_run_id if logged is not None else "") or version_tags.get("omni.training_run_id")
                     or (chain["eval"] or {}).get("training_run_id", "")
-                    or (_tags(training_run).get("omni.cached_from_run", "") if training_run is not None else ""))
+                    or (run_tags(training_run).get("omni.cached_from_run", "") if training_run is not None else ""))
     runs: list[tuple[Any, str]] = []
     if producing_id and (training_run is None or training_run.info.run_id != producing_id):
         try:
-            runs.append((_run(client, producing_id, "training run"), "trained the checkpoint"))
+            runs.append((fetch_run(client, producing_id, "training run"), "trained the checkpoint"))
         except LineageError as exc:
             warnings.append(str(exc))
     cached = "took the checkpoint from the cache"
     if training_run is not None:
         runs.append((training_run, cached if runs else "trained the checkpoint"))
     elif eval_run is not None:  # the eval's own pipeline run: its rl stage, when it was a cache hit
-        sibling = _sibling_training_run(client, eval_run)
+        sibling = sibling_training_run(client, eval_run)
         if sibling is not None and all(sibling.info.run_id != r.info.run_id for r, _ in runs):
             runs.append((sibling, cached if runs else "trained the checkpoint"))
-    chain["training"] = [_training(run, role) for run, role in runs]
+    chain["training"] = [training_summary(run, role) for run, role in runs]
     if not runs:
         warnings.append("no training run found (no omni.training_run_id tag or logged model source run)")
 
     trained = chain["training"][0] if chain["training"] else {}
     if logged is None and runs:
-        found = _model_of_run(client, runs[0][0])
+        found = model_of_run(client, runs[0][0])
         logged = client.get_logged_model(found) if found else None
     ltags = dict(logged.tags or {}) if logged is not None else {}
     uri = ltags.get("omni.checkpoint_uri") or version_tags.get("omni.checkpoint_uri") or trained.get("checkpoint_uri", "")
@@ -139,16 +139,16 @@ def _lineage(client: Any, target: str | None, store_root: str | None, tracking_u
     step = ltags.get("omni.global_step") or version_tags.get("omni.global_step")
     run_key = ltags.get("omni.run_key") or version_tags.get("omni.run_key") or trained.get("run_key", "")
     if uri or sha:
-        chain["checkpoint"] = _checkpoint(uri, sha, step, logged.model_id if logged is not None else model_id,
+        chain["checkpoint"] = checkpoint_summary(uri, sha, step, logged.model_id if logged is not None else model_id,
                                           run_key, store_root)
 
     datasets: dict[tuple[str, str], dict[str, Any]] = {}
     for run, _ in runs:
-        _merge(datasets, _dataset_inputs(run))
+        merge_datasets(datasets, dataset_inputs(run))
     if eval_run is not None:
-        _merge(datasets, _dataset_inputs(eval_run))
+        merge_datasets(datasets, dataset_inputs(eval_run))
     for entry in datasets.values():
-        _check_dataset(entry, store_root)
+        check_dataset(entry, store_root)
     chain["datasets"] = list(datasets.values())
 
     for t in chain["training"]:

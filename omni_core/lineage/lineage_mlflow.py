@@ -25,7 +25,7 @@ _MODEL = re.compile(r"^models:/(?P<name>[^@/]+)$")
 _RUN_URI = re.compile(r"^runs:/(?P<run_id>[^/]+)(?:/.*)?$")
 
 
-def _where(client: Any) -> str:
+def tracking_location(client: Any) -> str:
     """The tracking URI for messages and output, without credentials (user:password@ in a database URI)."""
     return redact_text(client.tracking_uri)
 
@@ -77,13 +77,13 @@ def _newest_version(client: Any, name: str | None, where: str) -> Any:
     return client.get_model_version(found[0].name, found[0].version)  # search results leave out the aliases
 
 
-def _run(client: Any, run_id: str, what: str = "run") -> Any:
+def fetch_run(client: Any, run_id: str, what: str = "run") -> Any:
     try:
         return client.get_run(run_id)
     except MlflowException as exc:
         if not _not_found(exc) and exc.error_code != "INVALID_PARAMETER_VALUE":
             raise
-    raise LineageError(f"no MLflow {what} '{run_id}' at {_where(client)}; give a run id from `omni run`'s "
+    raise LineageError(f"no MLflow {what} '{run_id}' at {tracking_location(client)}; give a run id from `omni run`'s "
                        "summary or the MLflow UI, and the tracking URI it was logged to (--tracking-uri / --pipeline)"
                        ) from None
 
@@ -94,13 +94,13 @@ def _logged_model(client: Any, model_id: str) -> Any:
     except MlflowException as exc:
         if not _not_found(exc):
             raise
-    raise LineageError(f"no logged model '{model_id}' at {_where(client)}; check the id and the tracking URI "
+    raise LineageError(f"no logged model '{model_id}' at {tracking_location(client)}; check the id and the tracking URI "
                        "(--tracking-uri / --pipeline)") from None
 
 
 def resolve(client: Any, target: str | None) -> tuple[str, Any]:
     """("version", ModelVersion), ("run", Run) or ("model", LoggedModel) that `target` names."""
-    where = _where(client)
+    where = tracking_location(client)
     text = (target or "").strip()
     if not text:
         return "version", _newest_version(client, None, where)
@@ -125,9 +125,9 @@ def resolve(client: Any, target: str | None) -> tuple[str, Any]:
         _registered_model(client, match["name"], where)
         return "version", _newest_version(client, match["name"], where)
     if match := _RUN_URI.match(text):
-        return "run", _run(client, match["run_id"])
+        return "run", fetch_run(client, match["run_id"])
     if _RUN_ID.match(text):
-        return "run", _run(client, text)
+        return "run", fetch_run(client, text)
     if _LOGGED_MODEL.match(text):
         return "model", _logged_model(client, text)
     hint = ""
@@ -142,12 +142,12 @@ def resolve(client: Any, target: str | None) -> tuple[str, Any]:
 # ---- reading MLflow ---------------------------------------------------------------------------
 
 
-def _tags(run: Any) -> dict[str, str]:
+def run_tags(run: Any) -> dict[str, str]:
     return dict(run.data.tags)
 
 
 def _run_common(run: Any) -> dict[str, Any]:
-    tags = _tags(run)
+    tags = run_tags(run)
     return {
         "run_id": run.info.run_id, "run_name": run.info.run_name, "experiment_id": run.info.experiment_id,
         "status": run.info.status, "parent_run_id": tags.get("mlflow.parentRunId", ""),
@@ -162,14 +162,14 @@ def _run_common(run: Any) -> dict[str, Any]:
 
 def _images(run: Any) -> dict[str, dict[str, str]]:
     images: dict[str, dict[str, str]] = {}
-    for key, value in _tags(run).items():
+    for key, value in run_tags(run).items():
         match = re.fullmatch(r"omni\.image\.(?P<target>.+)\.(?P<field>digest|ref)", key)
         if match:
             images.setdefault(match["target"], {"digest": "", "ref": ""})[match["field"]] = value
     return dict(sorted(images.items()))
 
 
-def _model_version(version: Any) -> dict[str, Any]:
+def model_version_summary(version: Any) -> dict[str, Any]:
     tags = dict(version.tags or {})
     source = version.source or ""
     model_id = getattr(version, "model_id", None) or tags.get("omni.model_id") or (
@@ -187,8 +187,8 @@ def _model_version(version: Any) -> dict[str, Any]:
     }
 
 
-def _eval(run: Any) -> dict[str, Any]:
-    tags, params = _tags(run), dict(run.data.params)
+def eval_summary(run: Any) -> dict[str, Any]:
+    tags, params = run_tags(run), dict(run.data.params)
     metrics = {k: v for k, v in sorted(run.data.metrics.items()) if k.startswith(EVAL_METRIC_PREFIXES)}
     dataset = params.get("dataset", "")  # NAME@VERSION:SPLIT
     name, _, rest = dataset.partition("@")
@@ -198,15 +198,15 @@ def _eval(run: Any) -> dict[str, Any]:
             "checkpoint_uri": tags.get("omni.checkpoint_uri", ""), "training_run_id": tags.get("omni.training_run_id", "")}
 
 
-def _training(run: Any, role: str) -> dict[str, Any]:
-    tags, params = _tags(run), dict(run.data.params)
+def training_summary(run: Any, role: str) -> dict[str, Any]:
+    tags, params = run_tags(run), dict(run.data.params)
     return {**_run_common(run), "role": role, "algorithm": params.get("algorithm", ""), "model": params.get("model", ""),
             "seed": params.get("seed", ""), "params": dict(sorted(params.items())), "run_key": tags.get("omni.run_key", ""),
             "checkpoint_uri": tags.get("omni.checkpoint_uri", ""), "checkpoint_sha256": tags.get("omni.checkpoint_sha256", ""),
             "images": _images(run)}
 
 
-def _dataset_inputs(run: Any) -> list[dict[str, Any]]:
+def dataset_inputs(run: Any) -> list[dict[str, Any]]:
     found = []
     for item in (run.inputs.dataset_inputs if run.inputs else []) or []:
         ds = item.dataset
@@ -229,12 +229,12 @@ def _dataset_inputs(run: Any) -> list[dict[str, Any]]:
     return found
 
 
-def _model_of_run(client: Any, run: Any) -> str:
+def model_of_run(client: Any, run: Any) -> str:
     """The logged model a training run produced (its output), else the newest one of its run key."""
     outputs = getattr(run, "outputs", None)
     for output in (outputs.model_outputs if outputs else []) or []:
         return output.model_id
-    run_key = _tags(run).get("omni.run_key")
+    run_key = run_tags(run).get("omni.run_key")
     if not run_key:
         return ""
     found = client.search_logged_models(experiment_ids=[run.info.experiment_id],
@@ -246,13 +246,13 @@ def _model_of_run(client: Any, run: Any) -> str:
 # ---- the chain --------------------------------------------------------------------------------
 
 
-def _start(client: Any, kind: str, obj: Any) -> tuple[Any, Any, Any, Any]:
+def start_of_chain(client: Any, kind: str, obj: Any) -> tuple[Any, Any, Any, Any]:
     """(model version, eval run, training run, logged model) the resolved target starts from."""
     if kind == "version":
         return obj, None, None, None
     if kind == "model":
-        return None, None, _run(client, obj.source_run_id, "training run") if obj.source_run_id else None, obj
-    tags = _tags(obj)
+        return None, None, fetch_run(client, obj.source_run_id, "training run") if obj.source_run_id else None, obj
+    tags = run_tags(obj)
     stage_kind = tags.get("omni.stage_kind", "")
     if stage_kind == "register" or tags.get("omni.registered_model"):
         if not tags.get("omni.registered_version"):
@@ -268,10 +268,10 @@ def _start(client: Any, kind: str, obj: Any) -> tuple[Any, Any, Any, Any]:
                                       max_results=200)
         for wanted in ("register", "eval", *TRAINING_KINDS):
             for child in children:
-                if _tags(child).get("omni.stage_kind") == wanted:
-                    if wanted == "register" and not _tags(child).get("omni.registered_version"):
+                if run_tags(child).get("omni.stage_kind") == wanted:
+                    if wanted == "register" and not run_tags(child).get("omni.registered_version"):
                         continue
-                    return _start(client, "run", child)
+                    return start_of_chain(client, "run", child)
         raise LineageError(f"pipeline run {obj.info.run_id} ({tags['omni.pipeline']}) has no register, eval or "
                            "training stage run to trace; give a model version or another run")
     raise LineageError(f"run {obj.info.run_id} is not an omni register, eval or training stage run (no omni.stage_kind "
@@ -279,7 +279,7 @@ def _start(client: Any, kind: str, obj: Any) -> tuple[Any, Any, Any, Any]:
 
 
 
-def _merge(datasets: dict[tuple[str, str], dict[str, Any]], found: list[dict[str, Any]]) -> None:
+def merge_datasets(datasets: dict[tuple[str, str], dict[str, Any]], found: list[dict[str, Any]]) -> None:
     for entry in found:
         key = (entry["name"], entry["version"])
         if key not in datasets:
@@ -292,13 +292,13 @@ def _merge(datasets: dict[tuple[str, str], dict[str, Any]], found: list[dict[str
         known["runs"] += [r for r in entry["runs"] if r not in known["runs"]]
 
 
-def _sibling_training_run(client: Any, eval_run: Any) -> Any | None:
-    tags = _tags(eval_run)
+def sibling_training_run(client: Any, eval_run: Any) -> Any | None:
+    tags = run_tags(eval_run)
     parent, run_key = tags.get("mlflow.parentRunId"), tags.get("omni.run_key")
     if not parent or not run_key:
         return None
     found = client.search_runs([eval_run.info.experiment_id],
                                f"tags.mlflow.parentRunId = '{parent}' and tags.`omni.run_key` = '{run_key}'",
                                max_results=10)
-    return next((r for r in found if _tags(r).get("omni.stage_kind") in TRAINING_KINDS), None)
+    return next((r for r in found if run_tags(r).get("omni.stage_kind") in TRAINING_KINDS), None)
 

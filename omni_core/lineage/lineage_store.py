@@ -43,7 +43,7 @@ def _read_manifest(roots: Iterable[str | None], key: str) -> tuple[Store | None,
     return None, None, status, "; ".join(problems)
 
 
-def _check_dataset(entry: dict[str, Any], store_root: str | None) -> None:
+def check_dataset(entry: dict[str, Any], store_root: str | None) -> None:
     key = f"datasets/{entry['name']}/{entry['version']}"
     derived = _split_root(entry["uri"], "datasets")
     store, manifest, status, detail = _read_manifest([store_root, derived[0] if derived else None], key)
@@ -71,7 +71,7 @@ def _check_dataset(entry: dict[str, Any], store_root: str | None) -> None:
     entry["recheck"] = f"omni verify {store.uri(key)} --raw"  # --raw: the raw files' sha256s too
 
 
-def _checkpoint(uri: str, sha256: str, global_step: str | int | None, model_id: str, run_key: str,
+def checkpoint_summary(uri: str, sha256: str, global_step: str | int | None, model_id: str, run_key: str,
                 store_root: str | None) -> dict[str, Any]:
     entry: dict[str, Any] = {"uri": uri, "global_step": int(global_step) if str(global_step or "").isdigit() else None,
                              "sha256": sha256, "model_id": model_id, "run_key": run_key, "weights_file": "",
