@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from mlflow import MlflowClient
-from pipeline_runs import run_in_order
+from pipeline_runs import digits_pipeline, run_in_order
 
 from omni_core.config import validate_pipeline
 from omni_core.data import load_version
@@ -35,9 +35,6 @@ MODEL_NAME = "digits-tiny"
 METRICS = ("val/reward_mean", "val-core/digits_rotate/reward/mean@1")  # verl's names (the stage's outputs)
 LOGGED = {"val/reward_mean": "val/reward_mean",  # as verl's MLflow logger spells them (MLflow refuses `@`)
           "val-core/digits_rotate/reward/mean@1": "val-core/digits_rotate/reward/mean_at_1"}
-REWARD = '''def score(data_source, solution_str, ground_truth, extra_info=None):
-    return (sum(map(ord, solution_str)) % 97) / 96.0  # depends on every character of the response
-'''
 
 
 @pytest.fixture(scope="module")
@@ -46,23 +43,9 @@ def env(pipeline_model_env: Path) -> Path:
 
 
 def pipeline(workdir: Path, seed: int, margin: float = 0.0, samples: int = 3) -> dict[str, Any]:
-    reward = workdir / "reward.py"
-    reward.write_text(REWARD)
-    return {
-        "name": "eval-register-test", "store": str(workdir / "store"),
-        "tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}", "ray": {"address": "local", "num_cpus": 2},
-        "seed": seed,
-        "datasets": {"digits": {"source": "fixtures://digits?rows=16&seed=0", "converter": "digits"}},
-        "stages": [
-            {"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
-            {"name": "rl", "kind": "rl", "after": ["ingest"], "model": "tiny://lm", "data": "digits:train",
-             "rollout": {"n": 2, "max_new_tokens": 6}, "reward": {"name": f"{reward}:score"},
-             "trainer": {"total_steps": 2, "batch_size": 2, "lr": 1e-2}},
-            {"name": "eval", "kind": "eval", "after": ["rl"], "data": "digits:test", "max_new_tokens": 6,
-             "reward": {"name": f"{reward}:score"}, "samples": samples},
-            {"name": "register", "kind": "register", "after": ["eval"], "model_name": MODEL_NAME, "margin": margin},
-        ],
-    }
+    return digits_pipeline(workdir, name="eval-register-test", store=str(workdir / "store"),
+                           tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}", seed=seed, model_name=MODEL_NAME,
+                           samples=samples, register={"margin": margin})
 
 
 def run(data: dict[str, Any]) -> PipelineRun:

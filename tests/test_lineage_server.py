@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 from mlflow_server import MlflowServer, mlflow_server, s3_environment  # noqa: F401  (fixture)
-from pipeline_runs import run_in_order
+from pipeline_runs import digits_pipeline, run_in_order
 from typer.testing import CliRunner
 
 from omni_core.lineage import Tracker, verify_target
@@ -30,31 +30,13 @@ from omni_core.storage import Store
 
 MODEL_NAME = "digits-lineage"
 PIPELINE = "lineage-server"
-REWARD = '''def score(data_source, solution_str, ground_truth, extra_info=None):
-    return (sum(map(ord, solution_str)) % 97) / 96.0  # depends on every character of the response
-'''
 # Credentials no name, path or URI of this test contains (secret env values are redacted from MLflow).
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "AKIDLINEAGE7Q2", "AWS_SECRET_ACCESS_KEY": "lineage-secret-5xq9w"}
 
 
 def pipeline(workdir: Path, store: str, tracking_uri: str, seed: int) -> dict[str, Any]:
-    """configs/eval_register.yaml, smaller: 16 digits rows, 2 steps of 2 prompts x 2 responses."""
-    reward = workdir / "reward.py"
-    reward.write_text(REWARD)
-    return {
-        "name": PIPELINE, "store": store, "tracking_uri": tracking_uri, "ray": {"address": "local", "num_cpus": 2},
-        "seed": seed,
-        "datasets": {"digits": {"source": "fixtures://digits?rows=16&seed=0", "converter": "digits"}},
-        "stages": [
-            {"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
-            {"name": "rl", "kind": "rl", "after": ["ingest"], "model": "tiny://lm", "data": "digits:train",
-             "rollout": {"n": 2, "max_new_tokens": 6}, "reward": {"name": f"{reward}:score"},
-             "trainer": {"total_steps": 2, "batch_size": 2, "lr": 1e-2}},
-            {"name": "eval", "kind": "eval", "after": ["rl"], "data": "digits:test", "max_new_tokens": 6,
-             "reward": {"name": f"{reward}:score"}, "samples": 2},
-            {"name": "register", "kind": "register", "after": ["eval"], "model_name": MODEL_NAME},
-        ],
-    }
+    return digits_pipeline(workdir, name=PIPELINE, store=store, tracking_uri=tracking_uri, seed=seed,
+                           model_name=MODEL_NAME, samples=2)
 
 
 def run_pipeline(data: dict[str, Any]) -> Any:
