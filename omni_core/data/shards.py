@@ -130,9 +130,9 @@ _Item = tuple[pa.Table, _Countdown] | None  # None: the shard is complete
 
 class ShardWriters:
     """Writes a split's batches, in order, into shards of `shard_rows` rows (fewer where `shard_bytes`
-    is reached first), up to `threads` shards at once. An error on a writer thread is raised at the next `write` or at `close`; after `abort`
-    (or an error) no partial shard is left behind, but shards already committed stay (the caller
-    deletes the version folder)."""
+    is reached first), up to `threads` shards at once. An error on a writer thread is raised at the
+    next `write` or at `close`; after `abort` (or an error) no partial shard is left behind, but
+    shards already committed stay (the caller deletes the version folder)."""
 
     def __init__(self, store: Store, prefix: str, split: str, schema: pa.Schema, shard_rows: int,
                  threads: int = WRITE_THREADS, shard_bytes: int | None = None):
