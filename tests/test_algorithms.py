@@ -231,7 +231,7 @@ def test_registry_grpo_and_gspo():
 
 
 def test_registry_unknown_and_custom(monkeypatch):
-    monkeypatch.setattr(policy_loss_module, "_POLICY_LOSSES", dict(policy_loss_module._POLICY_LOSSES))
+    monkeypatch.setattr(policy_loss_module, "_POLICY_LOSSES", policy_loss_module._POLICY_LOSSES.copy())
     with pytest.raises(ConfigError, match="grpo, gspo"):
         get_policy_loss("ppo2")
 

@@ -394,5 +394,5 @@ def test_cfg_combine():
 
 def test_registry():
     assert get_diffusion_loss("flow_grpo") is flow_grpo_loss
-    with pytest.raises(ConfigError, match="known diffusion losses"):
+    with pytest.raises(ConfigError, match="unknown diffusion loss .flow_dppo.; known: flow_grpo"):
         get_diffusion_loss("flow_dppo")

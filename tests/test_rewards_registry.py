@@ -66,8 +66,8 @@ def test_custom_reward_errors(tmp_path):
 
 
 def test_register_reward_and_as_score_dict(monkeypatch):
-    monkeypatch.setattr(registry_module, "_BY_NAME", dict(registry_module._BY_NAME))
-    monkeypatch.setattr(registry_module, "_BY_DATA_SOURCE", dict(registry_module._BY_DATA_SOURCE))
+    monkeypatch.setattr(registry_module, "_BY_NAME", registry_module._BY_NAME.copy())
+    monkeypatch.setattr(registry_module, "_BY_DATA_SOURCE", registry_module._BY_DATA_SOURCE.copy())
 
     @register_reward("always_one", data_sources=["my/source"])
     def always_one(data_source, solution_str, ground_truth, extra_info=None):

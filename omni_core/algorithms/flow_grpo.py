@@ -39,6 +39,7 @@ from torch import Tensor
 
 from omni_core.algorithms.grpo import group_moments
 from omni_core.errors import ConfigError
+from omni_core.registry import Registry
 
 SdeType = Literal["sde", "cps"]
 StdMode = Literal["group", "global"]
@@ -46,26 +47,18 @@ SDE_TYPES = ("sde", "cps")
 STD_MODES = ("group", "global")
 
 DiffusionLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
-_DIFFUSION_LOSSES: dict[str, DiffusionLossFn] = {}
+_DIFFUSION_LOSSES: Registry[DiffusionLossFn] = Registry(
+    "diffusion loss", hint="add one with @register_diffusion_loss(NAME) in omni_core/algorithms/flow_grpo.py")
 
 
 def register_diffusion_loss(name: str) -> Callable[[DiffusionLossFn], DiffusionLossFn]:
     """Decorator: make a diffusion policy loss selectable by `name` in the pipeline config."""
-
-    def wrap(fn: DiffusionLossFn) -> DiffusionLossFn:
-        _DIFFUSION_LOSSES[name] = fn
-        return fn
-
-    return wrap
+    return _DIFFUSION_LOSSES.decorator(name)
 
 
 def get_diffusion_loss(name: str) -> DiffusionLossFn:
     """The diffusion loss registered as `name`; ConfigError listing the known names otherwise."""
-    if name not in _DIFFUSION_LOSSES:
-        raise ConfigError(
-            f"unknown diffusion loss {name!r}; known diffusion losses: {', '.join(sorted(_DIFFUSION_LOSSES))}"
-        )
-    return _DIFFUSION_LOSSES[name]
+    return _DIFFUSION_LOSSES.get(name)
 
 
 def per_sample(value: float | Tensor, like: Tensor) -> Tensor:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from omni_core.errors import ConfigError
+from omni_core.registry import Registry
 
 Agg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Level = Literal["token", "sequence"]
@@ -40,30 +41,22 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LEVELS = ("token", "sequence")
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+_POLICY_LOSSES: Registry[PolicyLossFn] = Registry(
+    "policy loss", hint="add one with @register_policy_loss(NAME) in omni_core/algorithms/policy_loss.py")
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: make a policy loss selectable by `name` in the pipeline config."""
-
-    def wrap(fn: PolicyLossFn) -> PolicyLossFn:
-        _POLICY_LOSSES[name] = fn
-        return fn
-
-    return wrap
+    return _POLICY_LOSSES.decorator(name)
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The policy loss registered as `name`; ConfigError listing the known names otherwise."""
-    if name not in _POLICY_LOSSES:
-        raise ConfigError(
-            f"unknown policy loss {name!r}; known policy losses: {', '.join(sorted(_POLICY_LOSSES))}"
-        )
-    return _POLICY_LOSSES[name]
+    return _POLICY_LOSSES.get(name)
 
 
 def policy_loss_names() -> list[str]:
-    return sorted(_POLICY_LOSSES)
+    return _POLICY_LOSSES.names()
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:

@@ -38,10 +38,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from omni_core.errors import ConfigError
+from omni_core.registry import Registry
 
 # (chosen_logratios, rejected_logratios, beta, label_smoothing) -> per-pair loss [B]
 PairLossFn = Callable[[Tensor, Tensor, float, float], Tensor]
-_PAIR_LOSSES: dict[str, PairLossFn] = {}
+_PAIR_LOSSES: Registry[PairLossFn] = Registry(
+    "preference loss type", hint="add one with @register_preference_loss(NAME) in omni_core/algorithms/preference.py")
 SFT = "sft"  # the one loss type that is not a function of the log-ratios
 
 MPO_LOSS_TYPES = ("sigmoid", "bco_pair", "sft")
@@ -51,11 +53,7 @@ MPO_LOSS_WEIGHTS = (0.8, 0.2, 1.0)
 def register_preference_loss(name: str) -> Callable[[PairLossFn], PairLossFn]:
     """Decorator: make a pairwise preference loss selectable as `loss_type=name`."""
 
-    def wrap(fn: PairLossFn) -> PairLossFn:
-        _PAIR_LOSSES[name] = fn
-        return fn
-
-    return wrap
+    return _PAIR_LOSSES.decorator(name)
 
 
 def get_preference_loss(name: str) -> PairLossFn:
@@ -64,11 +62,11 @@ def get_preference_loss(name: str) -> PairLossFn:
         raise ConfigError(
             f"unknown preference loss type {name!r}; known loss types: {', '.join(preference_loss_names())}"
         )
-    return _PAIR_LOSSES[name]
+    return _PAIR_LOSSES.get(name)
 
 
 def preference_loss_names() -> list[str]:
-    return sorted([*_PAIR_LOSSES, SFT])
+    return sorted([*_PAIR_LOSSES.names(), SFT])
 
 
 @register_preference_loss("sigmoid")

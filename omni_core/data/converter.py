@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from omni_core.data.sources import RawSource
-from omni_core.errors import ConfigError, DataError
+from omni_core.errors import DataError
+from omni_core.registry import Registry
 
 
 class RowRejected(Exception):
@@ -200,15 +201,13 @@ class HubParquetConverter(Converter):
         return out
 
 
-_CONVERTERS: dict[str, type[Converter]] = {}
+_CONVERTERS: Registry[type[Converter]] = Registry(
+    "converter", hint="add a Converter subclass decorated with @register_converter to omni_core/data/")
 
 
 def register_converter(cls: type[Converter]) -> type[Converter]:
-    _CONVERTERS[cls.name] = cls
-    return cls
+    return _CONVERTERS.add(cls.name, cls)
 
 
 def get_converter(name: str) -> Converter:
-    if name not in _CONVERTERS:
-        raise ConfigError(f"converter '{name}' is not registered; known: {', '.join(sorted(_CONVERTERS))}")
-    return _CONVERTERS[name]()
+    return _CONVERTERS.get(name)()

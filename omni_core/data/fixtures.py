@@ -14,21 +14,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from omni_core.errors import DataError
+from omni_core.registry import Registry
 
 FixtureGenerator = Callable[[Path, int, int, int], list[Path]]
-_GENERATORS: dict[str, FixtureGenerator] = {}
+_GENERATORS: Registry[FixtureGenerator] = Registry("fixture generator")
 
 
 def register_fixture(name: str) -> Callable[[FixtureGenerator], FixtureGenerator]:
-    def decorate(fn: FixtureGenerator) -> FixtureGenerator:
-        _GENERATORS[name] = fn
-        return fn
-
-    return decorate
+    return _GENERATORS.decorator(name)
 
 
 def fixture_names() -> list[str]:
-    return sorted(_GENERATORS)
+    return _GENERATORS.names()
 
 
 def write_fixture(name: str, out_dir: str | Path, rows: int, seed: int = 0, bad_rows: int = 0) -> list[Path]:
@@ -39,7 +36,7 @@ def write_fixture(name: str, out_dir: str | Path, rows: int, seed: int = 0, bad_
         raise DataError(f"fixture '{name}': rows must be >= 1, got {rows}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return _GENERATORS[name](out, rows, seed, bad_rows)
+    return _GENERATORS.get(name)(out, rows, seed, bad_rows)
 
 
 # --- GSM8K (openai/gsm8k, config "main"): main/{train,test}-00000-of-00001.parquet, columns question, answer.

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from omni_core.errors import ConfigError
+from omni_core.registry import Registry
 
 RewardFn = Callable[..., "float | dict[str, Any]"]
 SIGNATURE = "compute_score(data_source, solution_str, ground_truth, extra_info=None)"
-_BY_NAME: dict[str, RewardFn] = {}
-_BY_DATA_SOURCE: dict[str, RewardFn] = {}
+_BY_NAME: Registry[RewardFn] = Registry("reward")
+_BY_DATA_SOURCE: Registry[RewardFn] = Registry("reward data_source")
 
 
 def accepts_verl_call(fn: Callable[..., Any]) -> bool:
@@ -50,9 +51,9 @@ def register_reward(name: str, data_sources: Iterable[str] = ()) -> Callable[[Re
     def wrap(fn: RewardFn) -> RewardFn:
         if not accepts_verl_call(fn):
             raise TypeError(f"reward {name!r}: {fn.__qualname__} must have the signature {SIGNATURE}")
-        _BY_NAME[name] = fn
+        _BY_NAME.add(name, fn)
         for source in data_sources:
-            _BY_DATA_SOURCE[source] = fn
+            _BY_DATA_SOURCE.add(source, fn)
         return fn
 
     return wrap

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from omni_core.registry import Registry
+
 Runner = Callable[[Any], dict[str, Any]]
 
 
@@ -64,25 +66,20 @@ class StageKind:
     volatile_config: frozenset[str] = frozenset()
 
 
-_KINDS: dict[str, StageKind] = {}
+_KINDS: Registry[StageKind] = Registry(
+    "stage kind", hint="add a module with a @register_stage(KIND, ...) runner to omni_core/pipeline/stages/")
 
 
 def register_stage(kind: str, **options: Any) -> Callable[[Runner], Runner]:
     def decorate(fn: Runner) -> Runner:
-        _KINDS[kind] = StageKind(kind, fn, **options)
+        _KINDS.add(kind, StageKind(kind, fn, **options))
         return fn
 
     return decorate
 
 
 def stage_kind(kind: str) -> StageKind:
-    try:
-        return _KINDS[kind]
-    except KeyError:
-        from omni_core.errors import ConfigError
-
-        raise ConfigError(f"stage kind '{kind}' has no runner (known: {', '.join(sorted(_KINDS))}); "
-                          "add a module to omni_core/pipeline/stages/") from None
+    return _KINDS.get(kind)
 
 
 def stage_runner(kind: str) -> Runner:
