@@ -17,10 +17,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-console = Console(highlight=False, soft_wrap=True)
+from flows.cli_options import DEFAULT_STORE, DEFAULT_TRACKING_URI
 
-DEFAULT_TRACKING_URI = "sqlite:///.omni/mlflow.db"
-DEFAULT_STORE = ".omni/store"
+console = Console(highlight=False, soft_wrap=True)
 
 
 def register_commands(app: typer.Typer) -> None:
