@@ -176,7 +176,7 @@ def main() -> None:
     except OmniError as exc:
         if state.debug:
             traceback.print_exc()
-        err_console.print(f"[red]error:[/red] {exc}")
+        err_console.print(f"[red]error:[/red] {escape(str(exc))}")
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("[red]interrupted[/red]")
@@ -184,7 +184,7 @@ def main() -> None:
     except Exception as exc:
         if state.debug:
             traceback.print_exc()
-        err_console.print(f"[red]unexpected error:[/red] {exc.__class__.__name__}: {exc} "
+        err_console.print(f"[red]unexpected error:[/red] {exc.__class__.__name__}: {escape(str(exc))} "
                           "(rerun with --debug for the traceback)")
         sys.exit(1)
 

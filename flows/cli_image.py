@@ -18,7 +18,7 @@ console = Console(highlight=False, soft_wrap=True)
 image_app = typer.Typer(no_args_is_help=True, help="Container images: build, content tags, build records.")
 
 TargetArg = Annotated[str, typer.Argument(help="cuda, ascend, or an image spec file (.yaml/.json).")]
-RegistryOption = Annotated[str | None, typer.Option("--registry", help="HOST[:PORT][/NAMESPACE] (default $OMNI_IMAGE_REGISTRY).")]
+RegistryOption = Annotated[str | None, typer.Option("--registry", help=r"HOST\[:PORT]\[/NAMESPACE] (default $OMNI_IMAGE_REGISTRY).")]  # \[ : not rich markup
 BuildArgOption = Annotated[list[str] | None, typer.Option("--build-arg", help="NAME=VALUE; changes the tag.")]
 PlatformOption = Annotated[list[str] | None, typer.Option("--platform", help="os/arch (repeatable); changes the tag.")]
 
