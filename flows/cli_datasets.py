@@ -16,6 +16,7 @@ from flows.cli_options import DEFAULT_STORE, DEFAULT_TRACKING_URI, StoreOption, 
 console = Console(highlight=False, soft_wrap=True)
 datasets_app = typer.Typer(no_args_is_help=True, help="Dataset versions in the store.")
 
+
 def ingest_command(
     name: Annotated[str, typer.Argument(help="Dataset name in the store (and default converter).")],
     source: Annotated[str, typer.Option("--source", help="fixtures://NAME?rows=N, a folder, s3://... or hf://...")],
