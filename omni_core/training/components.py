@@ -28,15 +28,17 @@ carries its prompt's media tensors (`RolloutBatch.media`), and generation and ev
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from omni_core.errors import ModelError
 from omni_core.models import sequence_logprobs
 from omni_core.rewards import score_batch
 from omni_core.rollout.autoregressive import ARengine, ARPrompt
@@ -283,6 +285,25 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     reference = copy.deepcopy(model).eval()
     reference.requires_grad_(False)
     return reference
+
+
+def make_reference(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The frozen reference an algorithm keeps: None for a LoRA (peft) policy, whose reference is the
+    policy with its adapter disabled (the base weights), else a frozen copy of the starting policy."""
+    return None if hasattr(model, "disable_adapter") else frozen_copy(model)
+
+
+@contextlib.contextmanager
+def reference_policy(model: torch.nn.Module, frozen: torch.nn.Module | None) -> Iterator[torch.nn.Module]:
+    """The reference to run: `frozen` (from `make_reference`), or the LoRA policy with its adapter disabled."""
+    if frozen is not None:
+        yield frozen
+        return
+    if not hasattr(model, "disable_adapter"):
+        raise ModelError("no reference model given and the policy has no LoRA adapter to disable; "
+                         "keep make_reference(model) (a frozen copy) for full fine-tuning")
+    with model.disable_adapter():
+        yield model
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.01) -> torch.optim.Optimizer:

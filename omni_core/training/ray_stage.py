@@ -42,6 +42,8 @@ def run_key_payload(stage: RLStage, seed: int, dataset_version: str) -> dict[str
     (`RUN_KEY_EXCLUDED`: resources, checkpoint cadence, restarts), the seed and the dataset version."""
     spec = stage.model_dump(mode="json", exclude=set(RUN_KEY_EXCLUDED))
     spec["execution"] = {k: v for k, v in spec["execution"].items() if k not in RUN_KEY_EXCLUDED_EXECUTION}
+    if isinstance(spec.get("model"), dict):  # `model: {from: STAGE}`: the upstream weights' digest, not where they are
+        spec["model"] = {k: v for k, v in spec["model"].items() if k != "uri"}
     return {"stage": spec, "seed": seed, "dataset_version": dataset_version}
 
 
