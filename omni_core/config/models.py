@@ -16,6 +16,7 @@ from pydantic import (
     SerializeAsAny,
     SerializerFunctionWrapHandler,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_serializer,
     model_validator,
@@ -85,6 +86,9 @@ from omni_core.training.algorithms import (  # noqa: E402
 )
 
 AlgorithmConfig = AlgorithmOptions  # the `algorithm:` section: the chosen algorithm's options model
+# For forms (the Prefect UI): `name` plus the chosen algorithm's keys, checked when the pipeline loads.
+_ALGORITHM_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "default": "grpo"}},
+                     "additionalProperties": True, "title": "Algorithm"}
 
 
 class RolloutConfig(Strict):
@@ -212,7 +216,7 @@ class RLStage(StageBase):
                                                         "picks the adapter registered for it.")
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of the full model.")
     data: str = Field(description="Dataset key, optionally with a split: `gsm8k` or `gsm8k:train`.")
-    algorithm: SerializeAsAny[AlgorithmOptions] = Field(
+    algorithm: Annotated[SerializeAsAny[AlgorithmOptions], WithJsonSchema(_ALGORITHM_SCHEMA)] = Field(
         default=None, validate_default=True,  # type: ignore[arg-type]
         description="`name` picks the algorithm (grpo, gspo, dpo, mpo, flow_grpo, sft, or a registered policy "
                     "loss); the other keys are its options.")

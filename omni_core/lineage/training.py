@@ -21,12 +21,15 @@ def model_label(stage: Any) -> str:
 
 def log_training_start(tracker: Tracker, run_id: str, stage: Any, seed: int, dv: Any, split: str) -> None:
     log_dataset_version(tracker, run_id, dv, context="training")
-    tracker.log_params(run_id, {
+    params: dict[str, Any] = {
         "algorithm": stage.algorithm.name, "model": model_label(stage), "seed": seed,
         "dataset": f"{dv.name}@{dv.version}:{split}", "rollout.n": stage.rollout.n,
         "trainer.total_steps": stage.trainer.total_steps, "trainer.batch_size": stage.trainer.batch_size,
         "trainer.lr": stage.trainer.lr, "reward": stage.reward.name,
-    })
+    }
+    record = stage.record  # only the keys the algorithm reads (sft: no rollout, no reward)
+    reads = {"rollout.n": record.reads("rollout", "n"), "reward": record.reads("reward", "name")}
+    tracker.log_params(run_id, {k: v for k, v in params.items() if reads.get(k, True)})
 
 
 def log_training_result(tracker: Tracker, run_id: str, *, pipeline: str, experiment: str, stage: Any, seed: int,

@@ -196,14 +196,8 @@ class WeightedMeans:
 
 
 def read_split(store: Any, version: Any, split: str) -> list[dict[str, Any]]:
-    """Every row of one split of an ingested dataset version (`ingest(...)`'s result), as dicts."""
-    import pyarrow.parquet as pq
-
-    rows: list[dict[str, Any]] = []
-    for key in version.shard_keys(split):
-        with store.open_read(key) as f:
-            rows += pq.read_table(f).to_pylist()
-    return rows
+    """Every row of one split of an ingested dataset version (`DatasetVersion.rows`)."""
+    return version.rows(store, split)
 
 
 # ---- trainer -------------------------------------------------------------------------------------

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import pyarrow.parquet as pq
 import ray
 
 import omni_core
 from omni_core.config.models import RUN_KEY_EXCLUDED, RUN_KEY_EXCLUDED_EXECUTION, RayConfig, RLStage
+from omni_core.data.ingest import read_rows
 from omni_core.errors import DataError, OmniError
 from omni_core.storage import Store
 from omni_core.training.checkpoint import latest_checkpoint, stage_prefix
@@ -82,12 +82,7 @@ def ray_tags(cfg: RayConfig) -> dict[str, str]:
     return tags
 
 
-def read_split(store: Store, shard_keys: list[str]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for key in shard_keys:
-        with store.open_read(key) as f:
-            rows.extend(pq.read_table(f).to_pylist())
-    return rows
+read_split = read_rows  # the rows of a split's shards (`DatasetVersion.rows` reads a version's split)
 
 
 def _weights_digest(manifest: dict[str, Any]) -> str:

@@ -126,39 +126,14 @@ def log_reused(ctx: Any, record: Any) -> None:
 def score_rows(stage: EvalStage, model: Any, tokenizer: Any, rows: list[dict[str, Any]], seed: int,
                ) -> list[dict[str, Any]]:
     """One record per response (response j of row i is record i * n + j): the row, the response, its
-    score. Generation and sampling seeds as `omni_core.training.components.evaluate`."""
-    from omni_core.training.components import (
-        Sampling,
-        encode_prompt_inputs,
-        generate_rollouts,
-        score_rollouts,
-    )
+    score (`omni_core.training.components.score_records`, training's own evaluation)."""
+    from omni_core.training.components import Sampling, score_records
 
     sampling = Sampling(temperature=stage.temperature, top_p=stage.top_p, max_new_tokens=stage.max_new_tokens,
                         greedy=stage.greedy)
-    reward = stage.reward.name if stage.reward is not None else None
-    records: list[dict[str, Any]] = []
-    for start in range(0, len(rows), stage.batch_size):
-        chunk = rows[start:start + stage.batch_size]
-        prompts, media = encode_prompt_inputs(tokenizer, chunk, stage.max_prompt_tokens)
-        batch = generate_rollouts(model, tokenizer, prompts, media=media, n=stage.n, sampling=sampling,
-                                  seed=seed + start)
-        scored = score_rollouts(chunk, batch.responses, reward, stage.n)
-        records += [{"row": chunk[i // stage.n], "response": text, "score": float(s["score"])}
-                    for i, (text, s) in enumerate(zip(batch.responses, scored, strict=True))]
-    return records
-
-
-def val_metrics(records: list[dict[str, Any]], n: int) -> dict[str, float]:
-    """verl's validation names: `val/reward_mean`, `val-core/{data_source}/reward/mean@{n}`."""
-    scores = [r["score"] for r in records]
-    metrics = {"val/reward_mean": sum(scores) / max(len(scores), 1)}
-    by_source: dict[str, list[float]] = {}
-    for r in records:
-        by_source.setdefault(r["row"].get("data_source", ""), []).append(r["score"])
-    for source, values in by_source.items():
-        metrics[f"val-core/{source}/reward/mean@{n}"] = sum(values) / len(values)
-    return metrics
+    return score_records(model, tokenizer, rows, reward=stage.reward.name if stage.reward is not None else None,
+                         sampling=sampling, n=stage.n, max_prompt_tokens=stage.max_prompt_tokens,
+                         batch_size=stage.batch_size, seed=seed)
 
 
 def prompt_text(row: dict[str, Any]) -> str:
@@ -177,13 +152,13 @@ def samples_table(records: list[dict[str, Any]], rows: int, n: int) -> dict[str,
 @register_stage("eval", version="1", inputs=eval_inputs, digest=eval_digest, reuse=log_reused,
                 reads=lambda stage: [stage.split()[0]], volatile_config=frozenset({"batch_size"}))
 def run_eval(ctx: Any) -> dict[str, Any]:
-    from omni_core.training.ray_stage import read_split
+    from omni_core.training.components import val_metrics
 
     stage: EvalStage = ctx.stage
     source = source_outcome(ctx, "checkpoint_from", TRAINING_KINDS)
     trained = source.outputs
     key, split, dv = input_dataset(ctx)
-    rows = read_split(ctx.store, dv.shard_keys(split))[:stage.max_rows]
+    rows = dv.rows(ctx.store, split)[:stage.max_rows]
     if not rows:
         raise ConfigError(f"stages.{stage.name}.data: split '{split}' of dataset '{key}' ({dv.version}) has no rows")
     model_id = trained.get("model_id")
