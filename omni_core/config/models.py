@@ -468,7 +468,7 @@ def _upstream_problem(config: Any, name: str, field: str, chosen: str | None, ki
     wanted = (kind,) if isinstance(kind, str) else kind
     kind = " or ".join(wanted)
     if chosen is None:
-        return (f"{where}.after: no upstream {kind} stage to take {what} from; add a {kind} stage to its after: "
+        return (f"{where}.after: no upstream {kind} stage to take {what} from; add an {kind} stage to its after: "
                 f"list (directly or through another stage), or name one with {field}:")
     if chosen not in kinds:
         return f"{where}.{field}: '{chosen}' is not a stage (stages: {', '.join(kinds)})"
