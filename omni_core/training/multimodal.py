@@ -1,7 +1,7 @@
 """Rows with images and audio as model inputs, shared by the RL step and preference training.
 
 A verl row's `prompt` holds `<image>`/`<audio>` markers and its `images`/`audios` columns the bytes
-(REFERENCE.md section 2). With a multimodal processor (Qwen3-Omni's) the markers become the model's
+(docs/reference.md section 2). With a multimodal processor (Qwen3-Omni's) the markers become the model's
 media tokens and the bytes become processor tensors; with a plain tokenizer the markers are dropped.
 
 The RL step keeps each prompt's media tensors apart (`encode_media_prompts`), so a rollout batch can
