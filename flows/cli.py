@@ -103,7 +103,7 @@ def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect
         if "datasets" in outputs:
             detail = ", ".join(f"{k}@{d['version']} ({sum(d['rows'].values())} rows, {d['quarantined']} quarantined)"
                                for k, d in outputs["datasets"].items())
-        elif "checkpoint_uri" in outputs and stage["kind"] == "rl":
+        elif "checkpoint_uri" in outputs and stage["kind"] in ("rl", "sft"):
             detail = f"global_step_{outputs['global_step']}"
         elif "metrics" in outputs:
             detail = ", ".join(f"{k} {v:.4g}" for k, v in outputs["metrics"].items() if k == "val/reward_mean")
@@ -116,7 +116,7 @@ def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect
     for stage in summary["stages"]:
         for key, d in stage["outputs"].get("datasets", {}).items():
             console.print(f"dataset      {key} version {d['version']}: {d['uri']}")
-        if "checkpoint_uri" in stage["outputs"] and stage["kind"] == "rl":
+        if "checkpoint_uri" in stage["outputs"] and stage["kind"] in ("rl", "sft"):
             out = stage["outputs"]
             console.print(f"checkpoint   {out['checkpoint_uri']} (sha256 {out['weights_sha256'][:16]}…)")
     console.print(f"mlflow       parent run {summary['mlflow_parent_run_id']} at {summary['tracking_uri']}")

@@ -40,7 +40,7 @@ def test_demo_config_resolves_with_defaults_and_overrides() -> None:
     assert rl.trainer.total_steps == 3 and isinstance(rl.trainer.total_steps, int)
     assert rl.rollout.temperature == 0.7
     assert config.seed == 5 and config.store == "s3://bucket/prefix"
-    assert [s.name for s in config.ordered_stages()] == ["ingest", "rl", "eval", "register"]
+    assert [s.name for s in config.ordered_stages()] == ["ingest", "sft", "rl", "eval_sft", "eval", "register"]
     assert rl.algorithm.name == "grpo" and rl.trainer.max_grad_norm == 1.0  # defaults filled in
 
 
@@ -116,7 +116,7 @@ def test_cli_validate_lists_every_error(tmp_path: Path) -> None:
     assert "stages.rl.trainer.lr" in result.stderr and "stages.rl.foo: unknown key" in result.stderr
     ok = omni("validate", str(DEMO), "stages.rl.trainer.total_steps=7", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
-    assert yaml.safe_load(ok.stdout)["stages"][1]["trainer"]["total_steps"] == 7
+    assert yaml.safe_load(ok.stdout)["stages"][2]["trainer"]["total_steps"] == 7
 
 
 def test_cli_debug_shows_traceback(tmp_path: Path) -> None:
@@ -159,7 +159,21 @@ FLOW = ROOT / "configs" / "flow_grpo.yaml"
         (DPO, ["stages.dpo.algorithm.num_steps=4"], "stages.dpo.algorithm.num_steps: not an option of dpo"),
         (FLOW, ["stages.flow_grpo.algorithm.beta=0.2"], "stages.flow_grpo.algorithm.beta: not an option of flow_grpo"),
         (DPO, ["stages.dpo.algorithm.betta=0.2"], "stages.dpo.algorithm.betta: unknown key"),
-        (DPO, ["stages.dpo.algorithm.name=ppo"], "stages.dpo.algorithm.name: Input should be"),
+        (DPO, ["stages.dpo.algorithm.name=ppo"],
+         "stages.dpo.algorithm.name: unknown algorithm 'ppo'; known: dpo, flow_grpo, grpo, gspo, mpo, sft"),
+        (DEMO, ["stages.sft.algorithm={name: grpo}"],
+         "stages.sft.algorithm.name: a stage of kind sft trains with a supervised algorithm (sft), not grpo"),
+        (DEMO, ["stages.rl.algorithm={name: sft}", "stages.rl.rollout={}", "stages.rl.reward={}",
+                "stages.rl.trainer={total_steps: 2}"],
+         "stages.rl.algorithm.name: sft is supervised fine-tuning: use kind: sft for this stage"),
+        (DEMO, ["stages.sft.rollout.n=4"], "stages.sft.rollout.n: not used by sft"),
+        (DEMO, ["stages.sft.algorithm.clip_ratio_low=0.1"],
+         "stages.sft.algorithm.clip_ratio_low: not an option of sft (it is one of grpo, gspo); sft takes: response"),
+        (DEMO, ["stages.rl.model={from: eval_sft}"],
+         "stages.rl.model.from: 'eval_sft' is a stage of kind eval, not rl or sft"),
+        (DEMO, ["stages.rl.model={from: nowhere}"], "stages.rl.model.from: 'nowhere' is not a stage"),
+        (DEMO, ["stages.eval_sft.checkpoint_from=ingest"],
+         "stages.eval_sft.checkpoint_from: 'ingest' is a stage of kind ingest, not rl or sft"),
         (DPO, ["stages.dpo.algorithm.lr=0.1"],
          "stages.dpo.algorithm: `lr` is not an algorithm option; set trainer.lr in the stage instead"),
         (FLOW, ["stages.flow_grpo.algorithm.group_size=8"], "stages.flow_grpo.algorithm: `group_size` is not an"),
@@ -187,7 +201,7 @@ FLOW = ROOT / "configs" / "flow_grpo.yaml"
         (DEMO, ["stages.rl.algorithm={name: mpo}", "stages.rl.rollout={}", "stages.rl.reward={}",
                 "stages.rl.trainer={total_steps: 2}"],
          "stages.rl.data: mpo trains on preference pairs (a dataset with converter omni_preference), "
-         "but 'gsm8k' uses converter gsm8k"),
+         "but 'digits' uses converter digits"),
     ],
 )
 def test_rl_algorithm_errors_name_their_key_path(path: Path, overrides: list[str], expected: str) -> None:
@@ -231,3 +245,40 @@ def test_cli_rl_algorithm_error_is_one_line(tmp_path: Path) -> None:
 def test_every_example_pipeline_validates(path: Path) -> None:
     config = load_pipeline(path)
     assert config.ordered_stages()  # references, dependency order and per-algorithm options all check out
+
+
+def test_a_registered_policy_loss_is_an_algorithm_without_a_record() -> None:
+    """Loss names are open: a function registered as a policy loss is usable as `algorithm.name`, with
+    the policy-gradient options and trainer; an unregistered name fails naming the known ones."""
+    import importlib
+
+    from omni_core.training.algorithms import get_algorithm
+
+    policy_loss = importlib.import_module("omni_core.algorithms.policy_loss")  # the module, not the function
+
+    def clipped_more(*args, **kwargs):  # a new loss: one function, registered
+        return policy_loss.grpo_policy_loss(*args, **kwargs)
+
+    policy_loss.register_policy_loss("clipped_more")(clipped_more)
+    try:
+        rl = load_pipeline(DEMO, ["stages.rl.algorithm={name: clipped_more, clip_ratio_high: 0.3}"]).stage("rl")
+        assert rl.algorithm.name == "clipped_more" and rl.algorithm.clip_ratio_high == 0.3
+        assert rl.record is get_algorithm("grpo") and rl.record.separate_async
+        assert rl.model_dump(mode="json")["algorithm"]["name"] == "clipped_more"
+    finally:
+        policy_loss._POLICY_LOSSES.pop("clipped_more")
+    with pytest.raises(ConfigValidationError, match="unknown algorithm 'clipped_more'"):
+        load_pipeline(DEMO, ["stages.rl.algorithm={name: clipped_more}"])
+
+
+def test_model_from_an_upstream_stage_and_the_sft_stage() -> None:
+    config = load_pipeline(DEMO)
+    sft, rl = config.stage("sft"), config.stage("rl")
+    assert sft.kind == "sft" and sft.algorithm.name == "sft" and sft.record.data == "supervised"
+    assert set(sft.model_dump(mode="json")["trainer"]) == {"total_steps", "batch_size", "lr", "max_grad_norm",
+                                                           "max_prompt_tokens"}
+    assert not {"rollout", "reward"} & set(sft.model_dump(mode="json"))
+    assert rl.model.from_ == "sft" and rl.model_dump(mode="json")["model"] == {"from": "sft"}
+    assert type(rl).model_validate(rl.model_dump(mode="json")) == rl
+    with pytest.raises(ValueError, match="from sft is not resolved yet"):
+        _ = rl.model_uri

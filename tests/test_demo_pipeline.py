@@ -1,7 +1,9 @@
-"""The demo pipeline end to end through the CLI: Prefect flow, ingest, GRPO in a Ray actor, MLflow.
+"""The demo pipeline end to end through the CLI: Prefect flow, ingest, SFT then GRPO on Ray, eval of
+both checkpoints, register, MLflow.
 
 Runs `omni run configs/demo.yaml` in a temporary directory with its own store, MLflow database and
-Prefect home, then checks what a user would look at: Parquet, manifest, MLflow runs, checkpoint.
+Prefect home, then checks what a user would look at: Parquet, manifest, MLflow runs, checkpoints, and
+that the policy learnt (the seed is fixed: the same run gives the same scores).
 """
 
 from __future__ import annotations
@@ -51,32 +53,55 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_summary_names_dataset_checkpoint_and_mlflow(demo: dict) -> None:
     out = demo["first"]
-    for fragment in ("pipeline gsm8k-grpo-demo finished", "dataset      gsm8k version", "checkpoint   ",
-                     "mlflow       parent run", "mlflow ui --backend-store-uri", "prefect server start",
-                     "registered   gsm8k-grpo-demo version 1 [candidate, champion] val/reward_mean ",
-                     "lineage      omni lineage models:/gsm8k-grpo-demo/1"):
+    for fragment in ("pipeline digits-grpo-demo finished", "dataset      digits version", "dataset      gsm8k version",
+                     "dataset      mmk12 version", "checkpoint   ", "mlflow       parent run",
+                     "mlflow ui --backend-store-uri", "prefect server start",
+                     "registered   digits-grpo-demo version 1 [candidate, champion] val/reward_mean ",
+                     "lineage      omni lineage models:/digits-grpo-demo/1"):
         assert fragment in out, out[-2000:]
-    assert "step 4/4" in out  # per-step progress from the Ray actor reached the terminal
+    assert "[sft] step 60/60" in out and "[rl] step 40/40" in out  # per-step progress from the Ray actors
+
+
+def _eval_score(store: Path, stage: str) -> float:
+    records = sorted((store / "runs/digits-grpo-demo/stages" / stage).glob("*.json"))
+    return json.loads(records[-1].read_text())["outputs"]["metrics"]["val/reward_mean"]
+
+
+def test_the_demo_learns(demo: dict) -> None:
+    """Seed 0: the RL checkpoint scores clearly above the SFT warm start on 128 held-out numbers
+    (greedy, the digits reward); both scores are printed, and the training reward rises."""
+    sft, rl = _eval_score(demo["store"], "eval_sft"), _eval_score(demo["store"], "eval")
+    assert sft < 0.4 and rl > sft + 0.2, (sft, rl)
+    rows = {line.split("│")[1].strip(): line for line in demo["first"].splitlines() if line.startswith("│ ")}
+    assert f"val/reward_mean {sft:.4g}" in rows["eval_sft"] and f"val/reward_mean {rl:.4g}" in rows["eval"]
+    record = json.loads(sorted((demo["store"] / "runs/digits-grpo-demo/stages/rl").glob("*.json"))[0].read_text())
+    curve = record["report"]["reward_curve"]
+    scores = [v for _, v in curve["points"]]
+    assert curve["metric"] == "critic/score/mean" and len(scores) == 40
+    assert sum(scores[-10:]) / 10 > sum(scores[:10]) / 10 + 0.15, scores
+    assert (demo["store"] / curve["key"]).read_bytes().startswith(b"\x89PNG")
 
 
 def test_summary_shows_the_registered_version_and_its_lineage(demo: dict) -> None:
-    """The register stage's model version, its lineage down to the raw files, and how to re-check it;
-    the second (cached) run shows the same version again."""
+    """The register stage's model version, its lineage through the rl and sft runs down to the dataset,
+    and how to re-check it; the second (cached) run shows the same version again."""
     store = demo["store"]
-    version = (store / "datasets/gsm8k/LATEST").read_text().strip()
+    version = (store / "datasets/digits/LATEST").read_text().strip()
     client: MlflowClient = demo["client"]
-    registered = client.get_model_version("gsm8k-grpo-demo", "1")
-    manifest = json.loads((store / "datasets/gsm8k" / version / "_manifest.json").read_text())
+    registered = client.get_model_version("digits-grpo-demo", "1")
+    manifest = json.loads((store / "datasets/digits" / version / "_manifest.json").read_text())
     for out in (demo["first"], demo["second"]):
-        assert "  model gsm8k-grpo-demo version 1 [candidate, champion]" in out, out[-3000:]
-        assert f"checkpoint {registered.tags['omni.checkpoint_uri']} (global_step 4)" in out
+        assert "  model digits-grpo-demo version 1 [candidate, champion]" in out, out[-3000:]
+        assert f"checkpoint {registered.tags['omni.checkpoint_uri']} (global_step 40)" in out
         assert f"weights sha256 {registered.tags['omni.checkpoint_sha256']}" in out
-        assert f"dataset gsm8k@{version} (training, eval)" in out
+        assert "(digits-grpo-demo/rl) grpo: " in out  # eval -> rl -> sft -> dataset
+        assert "(digits-grpo-demo/sft) sft: trained the starting model (model: {from: sft})" in out
+        assert f"dataset digits@{version} (training, eval)" in out
         listed = file_list_sha256((f["path"], f["sha256"]) for f in manifest["raw_files"])
         assert f"raw files {len(manifest['raw_files'])}, list sha256 {listed}" in out
         assert "raw file " not in out  # one line per raw source, not one per file
-        assert f"re-check: omni verify {store / 'datasets/gsm8k' / version}" in out
-    assert len(client.search_model_versions("name='gsm8k-grpo-demo'")) == 1  # the cached run registers nothing new
+        assert f"re-check: omni verify {store / 'datasets/digits' / version}" in out
+    assert len(client.search_model_versions("name='digits-grpo-demo'")) == 1  # the cached run registers nothing new
 
 
 def test_dataset_version_parquet_and_manifest(demo: dict) -> None:
@@ -119,7 +144,7 @@ def test_mmk12_version_has_images(demo: dict) -> None:
 
 def test_mlflow_parent_and_child_runs_with_dataset_input(demo: dict) -> None:
     client: MlflowClient = demo["client"]
-    experiment = client.get_experiment_by_name("gsm8k-grpo-demo")
+    experiment = client.get_experiment_by_name("digits-grpo-demo")
     runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parents) == 2  # one per `omni run`
@@ -129,36 +154,40 @@ def test_mlflow_parent_and_child_runs_with_dataset_input(demo: dict) -> None:
         assert parent.data.tags.get(tag), tag
     children = {r.data.tags["mlflow.runName"]: r for r in runs
                 if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
-    assert set(children) == {"ingest", "rl", "eval", "register"}
+    assert set(children) == {"ingest", "sft", "rl", "eval_sft", "eval", "register"}
     ingested = {i.dataset.name for i in children["ingest"].inputs.dataset_inputs}
-    assert ingested == {"gsm8k", "mmk12"}
+    assert ingested == {"digits", "gsm8k", "mmk12"}
     assert all(c.info.status == "FINISHED" for c in children.values())
 
-    version = (demo["store"] / "datasets/gsm8k/LATEST").read_text().strip()
+    version = (demo["store"] / "datasets/digits/LATEST").read_text().strip()
     rl = children["rl"]
     inputs = rl.inputs.dataset_inputs
     assert len(inputs) == 1
     dataset = inputs[0].dataset
-    assert dataset.name == "gsm8k" and dataset.digest == version
+    assert dataset.name == "digits" and dataset.digest == version
     source = json.loads(dataset.source)
-    assert source["uri"].endswith(f"datasets/gsm8k/{version}")
-    assert source["raw_source_uri"] == "fixtures://gsm8k?rows=64&seed=0"
+    assert source["uri"].endswith(f"datasets/digits/{version}")
+    assert source["raw_source_uri"] == "fixtures://digits?rows=1000"
     assert {t.key: t.value for t in inputs[0].tags}["mlflow.data.context"] == "training"
 
     for name in METRICS:
         history = client.get_metric_history(rl.info.run_id, name)
-        assert [m.step for m in history] == [1, 2, 3, 4], name
-    assert rl.data.params["algorithm"] == "grpo"
+        assert [m.step for m in history] == list(range(1, 41)), name
+    assert rl.data.params["algorithm"] == "grpo" and rl.data.params["model"].startswith("from sft (sha256 ")
+    sft = children["sft"]
+    assert sft.data.params["algorithm"] == "sft" and sft.data.params["model"] == "tiny://lm"
+    assert rl.data.tags["omni.model_from.checkpoint_sha256"] == sft.data.tags["omni.checkpoint_sha256"]
+    assert [m.step for m in client.get_metric_history(sft.info.run_id, "train/loss")] == list(range(1, 61))
 
 
 def test_checkpoint_is_committed_and_loadable(demo: dict) -> None:
     client: MlflowClient = demo["client"]
-    experiment = client.get_experiment_by_name("gsm8k-grpo-demo")
+    experiment = client.get_experiment_by_name("digits-grpo-demo")
     rl = client.search_runs([experiment.experiment_id], "tags.`mlflow.runName` = 'rl'",
                             order_by=["attributes.start_time ASC"])[0]
     folder = Path(rl.data.tags["omni.checkpoint_uri"])
-    assert folder.name == "global_step_4"
-    assert (folder.parents[1] / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert folder.name == "global_step_40"
+    assert (folder.parents[1] / "latest_checkpointed_iteration.txt").read_text().strip() == "40"
     manifest = json.loads((folder / "_manifest.json").read_text())
     weights = folder / "model.safetensors"
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()
@@ -176,9 +205,10 @@ def test_checkpoint_is_committed_and_loadable(demo: dict) -> None:
 def test_second_run_succeeds_and_reuses_finished_work(demo: dict) -> None:
     out = demo["second"]
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│ ")}
-    assert "reused" in rows["ingest"] and "reused" in rows["rl"], out[-2000:]
+    for stage in ("ingest", "sft", "rl", "eval_sft", "eval", "register"):
+        assert "reused" in rows[stage], out[-2000:]
     client: MlflowClient = demo["client"]
-    experiment = client.get_experiment_by_name("gsm8k-grpo-demo")
+    experiment = client.get_experiment_by_name("digits-grpo-demo")
     rls = client.search_runs([experiment.experiment_id], "tags.`mlflow.runName` = 'rl'",
                              order_by=["attributes.start_time ASC"])
     assert len(rls) == 2

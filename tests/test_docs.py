@@ -21,16 +21,6 @@ REFERENCE = ROOT / "docs" / "reference.md"
 SKIP_DIRS = {".git", ".venv", ".omni", "__pycache__", ".ruff_cache", ".pytest_cache", "node_modules"}
 SKIP_FILES = {"tests/test_docs.py"}  # this file spells out the patterns it looks for
 
-# Files whose old citations another branch is rewriting; the integrator EMPTIES this set after
-# merging that branch (the citations they should get are listed in the merge note). Until then
-# their offending lines are still printed, but do not fail the test.
-PENDING_REWRITE: frozenset[str] = frozenset({
-    "omni_core/config/models.py",
-    "omni_core/training/runner.py",
-    "omni_core/training/multimodal.py",
-    "omni_core/algorithms/flow_grpo.py",
-})
-
 # The brief lives outside the repository: `../shared/...`, or the uppercase file names (also
 # without `.md`, as in "per REFERENCE."). POLICY_REFERENCE or PREFERENCE do not match (\b).
 OUTSIDE = re.compile(r"\.\./shared\b|/work/shared\b|\b(?:REFERENCE|DESIGN)\b")
@@ -88,10 +78,7 @@ def anchors(path: Path) -> set[str]:
 def test_nothing_cites_the_brief_outside_the_repository():
     files = [f for f in repo_files() if f not in SKIP_FILES]
     hits = matching_lines(OUTSIDE, files)
-    offenders = [f"{rel}:{n}: {line}" for rel, n, line, _ in hits if rel not in PENDING_REWRITE]
-    pending = [f"{rel}:{n}: {line}" for rel, n, line, _ in hits if rel in PENDING_REWRITE]
-    if pending:
-        print("pending rewrite (PENDING_REWRITE), still citing the brief:\n  " + "\n  ".join(pending))
+    offenders = [f"{rel}:{n}: {line}" for rel, n, line, _ in hits]
     assert not offenders, ("cite docs/reference.md section N or docs/design.md instead of the brief outside "
                            "the repository:\n  " + "\n  ".join(offenders))
 

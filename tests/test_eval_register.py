@@ -177,7 +177,7 @@ def small_pipeline(tmp_path: Path, stages: list[dict[str, Any]]) -> dict[str, An
 
 @pytest.mark.parametrize(("stages", "expected"), [
     ([{"name": "eval", "kind": "eval", "after": ["ingest"], "data": "digits:test"}],
-     "stages.eval.after: no upstream rl stage"),
+     "stages.eval.after: no upstream rl or sft stage"),
     ([{"name": "eval", "kind": "eval", "after": ["ingest"], "data": "digits:test", "checkpoint_from": "ingest"}],
      "stages.eval.checkpoint_from: 'ingest' is a stage of kind ingest, not rl"),
     ([{"name": "eval", "kind": "eval", "after": ["ingest"], "data": "digits:test", "checkpoint_from": "nope"}],

@@ -367,7 +367,7 @@ def test_cli_force_names_a_stage(tmp_path: Path) -> None:
                              "--force", "rl", "--force", "nope"], cwd=tmp_path, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 2, result.stderr
-    assert "error: --force nope: no stage 'nope' in pipeline gsm8k-grpo-demo (stages: ingest, rl, eval, register)" in result.stderr
+    assert "error: --force nope: no stage 'nope' in pipeline digits-grpo-demo (stages: ingest, sft, rl, eval_sft, eval, register)" in result.stderr
     assert not (tmp_path / ".omni").exists()  # nothing started
 
 

@@ -180,22 +180,21 @@ def test_run_key_covers_what_determines_the_weights(config_file: str, stage: str
     assert rl_run_key(base, 0, "v1") != rl_run_key(changed, 0, "v1")
 
 
-def test_stage_options_mirror_the_trainer_configs() -> None:
-    """The `algorithm:` and `lora:` keys are the trainer configs' own, with the same defaults."""
-    from omni_core.config.models import ALGORITHM_DEFAULTS, ALGORITHM_OPTIONS, AlgorithmConfig, LoraConfig
+def test_stage_options_are_the_trainer_configs() -> None:
+    """The `algorithm:` options are defined once, in the algorithm's record; the trainers' configs
+    extend them with the stage's trainer keys, whose algorithm defaults they share."""
+    from omni_core.config.models import LoraConfig
     from omni_core.models.lora import LoraSpec
+    from omni_core.training.algorithms import get_algorithm
     from omni_core.training.flow_grpo import FlowGRPOConfig
     from omni_core.training.preference import PreferenceConfig
 
     for algorithm, trainer_config in (("dpo", PreferenceConfig), ("flow_grpo", FlowGRPOConfig)):
-        options = AlgorithmConfig(name=algorithm).options()
-        for key, value in options.items():
-            assert key in trainer_config.model_fields, key
-            assert value == trainer_config.model_fields[key].default, (algorithm, key)
-        for path, value in ALGORITHM_DEFAULTS[algorithm].items():
+        record = get_algorithm(algorithm)
+        assert issubclass(trainer_config, record.options)
+        for path, value in record.defaults.items():
             key = {"trainer.batch_size": "prompts_per_step" if algorithm == "flow_grpo" else "batch_size",
                    "reward.name": "reward"}.get(path, path.split(".")[1])
             assert trainer_config.model_fields[key].default == value, (algorithm, path)
-        assert set(ALGORITHM_OPTIONS[algorithm]) <= set(trainer_config.model_fields)
     assert {k: f.default for k, f in LoraConfig.model_fields.items()} == {
         k: f.default for k, f in LoraSpec.model_fields.items()}

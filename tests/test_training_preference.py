@@ -109,11 +109,11 @@ def test_config_resolves_loss_types_and_rejects_bad_ones() -> None:
     mpo = PreferenceConfig(loss_mode="mpo")
     assert (mpo.loss_types, mpo.weights) == (["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0])
     assert PreferenceConfig(loss_type="ipo").loss_types == ["ipo"]
-    with pytest.raises(ConfigError, match="unknown preference loss type 'hinge'"):
+    with pytest.raises(ValueError, match="unknown preference loss type 'hinge'"):
         PreferenceConfig(loss_type="hinge")
-    with pytest.raises(ValueError, match="loss_mode dpo takes one pairwise loss_type"):
+    with pytest.raises(ValueError, match="dpo takes one pairwise loss type"):
         PreferenceConfig(loss_type=["sigmoid", "sft"])
-    with pytest.raises(ValueError, match="2 loss types but 1 loss_weights"):
+    with pytest.raises(ValueError, match=r"2 loss types \(sigmoid, sft\) but 1 loss_weights"):
         PreferenceConfig(loss_mode="mpo", loss_type=["sigmoid", "sft"], loss_weights=[1.0])
 
 

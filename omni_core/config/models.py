@@ -13,8 +13,10 @@ from pydantic import (
     ByteSize,
     ConfigDict,
     Field,
+    SerializeAsAny,
     SerializerFunctionWrapHandler,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_serializer,
     model_validator,
@@ -68,142 +70,25 @@ class BuildImagesStage(StageBase):
     builder: Literal["auto", "buildah", "docker"] = "auto"
 
 
-# ---- the rl stage -------------------------------------------------------------------------------
+# ---- the training stages (rl, sft) --------------------------------------------------------------
+# An algorithm is one record in omni_core.training.algorithms (options model, trainer, data, model
+# kind, the stage keys it reads and its defaults for them): nothing here names an algorithm.
 
-RL_ALGORITHMS = ("grpo", "gspo", "dpo", "mpo", "flow_grpo")
-PREFERENCE_ALGORITHMS = ("dpo", "mpo")
-ALL = "*"  # every key of a section
+from omni_core.training.algorithms import (  # noqa: E402
+    ALL,
+    DIFFUSION_MODEL,
+    LANGUAGE_MODEL,
+    PAIRS,
+    SUPERVISED,
+    AlgorithmOptions,
+    get_algorithm,
+    parse_options,
+)
 
-_POLICY_OPTIONS = ("clip_ratio_low", "clip_ratio_high", "loss_agg_mode", "adv_scale", "kl_beta")
-_PREFERENCE_OPTIONS = ("loss_type", "loss_weights", "beta", "label_smoothing", "average_log_prob", "weight_decay",
-                       "modality_weights")
-_FLOW_OPTIONS = ("num_steps", "noise_level", "sde_type", "guidance_scale", "negative_prompt", "adv_std", "adv_clip",
-                 "clip_range", "kl_beta", "timestep_fraction", "weight_decay", "mini_batches")
-# The `algorithm:` keys (besides `name`) each algorithm takes. dpo/mpo keys are PreferenceConfig's
-# (omni_core.training.preference), flow_grpo keys FlowGRPOConfig's (omni_core.training.flow_grpo).
-ALGORITHM_OPTIONS: dict[str, tuple[str, ...]] = {
-    "grpo": _POLICY_OPTIONS, "gspo": _POLICY_OPTIONS,
-    "dpo": _PREFERENCE_OPTIONS, "mpo": _PREFERENCE_OPTIONS,
-    "flow_grpo": _FLOW_OPTIONS,
-}
-# The keys of the stage's trainer/rollout/reward sections each algorithm reads; a section left out
-# here is not used at all. Setting a key the chosen algorithm does not read is an error.
-STAGE_KEYS: dict[str, dict[str, tuple[str, ...] | str]] = {
-    "grpo": {"trainer": ALL, "rollout": ALL, "reward": ALL},
-    "gspo": {"trainer": ALL, "rollout": ALL, "reward": ALL},
-    "dpo": {"trainer": ("total_steps", "batch_size", "lr", "max_grad_norm")},
-    "mpo": {"trainer": ("total_steps", "batch_size", "lr", "max_grad_norm")},
-    "flow_grpo": {"trainer": ("total_steps", "batch_size", "lr", "max_grad_norm", "ppo_epochs"),
-                  "rollout": ("n",), "reward": ("name",)},
-}
-# Defaults that differ by algorithm (PreferenceConfig's and FlowGRPOConfig's), for keys left unset.
-ALGORITHM_DEFAULTS: dict[str, dict[str, object]] = {
-    "dpo": {"trainer.lr": 1e-3, "trainer.batch_size": 8, "algorithm.weight_decay": 0.0},
-    "mpo": {"trainer.lr": 1e-3, "trainer.batch_size": 8, "algorithm.weight_decay": 0.0},
-    "flow_grpo": {"trainer.lr": 3e-4, "trainer.batch_size": 2, "reward.name": "jpeg_compressibility",
-                  "algorithm.weight_decay": 1e-4},
-}
-# Keys that belong in another section of the stage (the trainers' own spelling -> the stage's).
-_SET_ELSEWHERE = {"lr": "trainer.lr", "batch_size": "trainer.batch_size", "prompts_per_step": "trainer.batch_size",
-                  "total_steps": "trainer.total_steps", "max_grad_norm": "trainer.max_grad_norm",
-                  "ppo_epochs": "trainer.ppo_epochs", "group_size": "rollout.n", "reward": "reward.name",
-                  "loss_mode": "algorithm.name"}
-
-
-class AlgorithmConfig(Strict):
-    """`name` picks the algorithm; the other keys are its options (`ALGORITHM_OPTIONS`). A key of
-    another algorithm fails naming the algorithms it belongs to; an unknown key fails as unknown."""
-
-    name: Literal["grpo", "gspo", "dpo", "mpo", "flow_grpo"] = "grpo"
-    # grpo, gspo: the PPO-clip policy loss (kl_beta also flow_grpo's)
-    clip_ratio_low: float = Field(0.2, ge=0)
-    clip_ratio_high: float = Field(0.2, ge=0)
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    adv_scale: Literal["group", "batch", "none"] = "group"
-    kl_beta: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy.")
-    # dpo, mpo (PreferenceConfig)
-    loss_type: str | list[str] | None = Field(
-        None, description="dpo: sigmoid | ipo | bco_pair (default sigmoid); mpo: a list (default sigmoid, bco_pair, sft)")
-    loss_weights: list[float] | None = Field(None, description="One per loss type; mpo default 0.8, 0.2, 1.0.")
-    beta: float = Field(0.1, gt=0)
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
-    average_log_prob: bool = Field(False, description="Length-normalised sequence log-probs.")
-    modality_weights: dict[str, Annotated[float, Field(ge=0)]] | None = Field(
-        None, description="Chance of each modality per training batch; absent modalities weigh 1.")
-    weight_decay: float | None = Field(None, ge=0, description="AdamW weight decay; default 0 (dpo, mpo), 1e-4 (flow_grpo).")
-    # flow_grpo (FlowGRPOConfig)
-    num_steps: int = Field(10, ge=1, description="Denoising steps of a training rollout (SDE).")
-    noise_level: float = Field(0.7, gt=0, description="SDE noise level of the rollout.")
-    sde_type: Literal["sde", "cps"] = "sde"
-    guidance_scale: float = Field(4.5, ge=1.0, description="True-CFG weight; 1.0 turns CFG off.")
-    negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch.")
-    adv_std: Literal["group", "global"] = "group"
-    adv_clip: float = Field(5.0, gt=0)
-    clip_range: float = Field(1e-4, gt=0)
-    timestep_fraction: float = Field(1.0, gt=0, le=1, description="Share of the denoising steps trained (the first).")
-    mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass over the rollout.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _keys_set_elsewhere(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key, where in _SET_ELSEWHERE.items():
-                if key in data:
-                    raise ValueError(f"`{key}` is not an algorithm option; set {where} in the stage instead")
-        return data
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _belongs_to_algorithm(cls, value: Any, info: ValidationInfo) -> Any:
-        """Runs for the keys given (defaults are not validated): each must be an option of `name`."""
-        name = info.data.get("name")
-        if info.field_name == "name" or name is None or info.field_name in ALGORITHM_OPTIONS[name]:
-            return value
-        owners = [a for a, keys in ALGORITHM_OPTIONS.items() if info.field_name in keys]
-        raise ValueError(f"not an option of {name} (it is one of {', '.join(owners)}); "
-                         f"{name} takes: {', '.join(ALGORITHM_OPTIONS[name])}")
-
-    @model_validator(mode="after")
-    def _resolve(self) -> AlgorithmConfig:
-        default = ALGORITHM_DEFAULTS.get(self.name, {}).get("algorithm.weight_decay")
-        if self.weight_decay is None and default is not None:
-            self.weight_decay = float(default)  # type: ignore[arg-type]
-        if self.name in PREFERENCE_ALGORITHMS:
-            _check_preference_losses(self)
-        return self
-
-    def options(self) -> dict[str, Any]:
-        """The options of the chosen algorithm, by key (what `model_dump` holds besides `name`)."""
-        return {key: getattr(self, key) for key in ALGORITHM_OPTIONS[self.name]}
-
-    @model_serializer(mode="wrap")
-    def _dump_chosen_options(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data = handler(self)
-        keep = {"name", *ALGORITHM_OPTIONS[self.name]}
-        return {k: v for k, v in data.items() if k in keep}
-
-
-def _check_preference_losses(algo: AlgorithmConfig) -> None:
-    """PreferenceConfig's loss checks, without importing torch unless a loss type is named."""
-    if algo.loss_type is None:
-        types = ["sigmoid"] if algo.name == "dpo" else ["sigmoid", "bco_pair", "sft"]
-    else:
-        types = [algo.loss_type] if isinstance(algo.loss_type, str) else list(algo.loss_type)
-        from omni_core.algorithms.preference import SFT, get_preference_loss
-        from omni_core.errors import ConfigError
-
-        for name in types:
-            if name != SFT:
-                try:
-                    get_preference_loss(name)
-                except ConfigError as exc:
-                    raise ValueError(f"loss_type: {exc}") from None
-    if algo.loss_weights is not None and len(algo.loss_weights) != len(types):
-        raise ValueError(f"loss_weights: {len(types)} loss types ({', '.join(types)}) but "
-                         f"{len(algo.loss_weights)} loss_weights; give one weight each")
-    if algo.name == "dpo" and (len(types) != 1 or types[0] == "sft"):
-        raise ValueError(f"loss_type: dpo takes one pairwise loss type (sigmoid, ipo, bco_pair), not {types}; "
-                         "for a weighted list use name: mpo")
+AlgorithmConfig = AlgorithmOptions  # the `algorithm:` section: the chosen algorithm's options model
+# For forms (the Prefect UI): `name` plus the chosen algorithm's keys, checked when the pipeline loads.
+_ALGORITHM_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "default": "grpo"}},
+                     "additionalProperties": True, "title": "Algorithm"}
 
 
 class RolloutConfig(Strict):
@@ -214,7 +99,7 @@ class RolloutConfig(Strict):
     max_num_seqs: int = Field(256, ge=1, description="Most sequences the rollout engine (ARengine) generates "
                                                       "together; a larger step batch runs in several batches.")
     step_execution: bool = Field(False, description="Rollout engine scheduling: false = request-level batches, "
-                                                    "true = step-level continuous batching (REFERENCE.md 4).")
+                                                    "true = step-level continuous batching (docs/reference.md section 4).")
 
 
 class RewardConfig(Strict):
@@ -265,7 +150,7 @@ class CheckpointConfig(Strict):
 
 
 class ExecutionConfig(Strict):
-    """How the stage's Ray actors run (REFERENCE.md section 5). `sync`: generate, reward, old log-probs,
+    """How the stage's Ray actors run (docs/reference.md section 5). `sync`: generate, reward, old log-probs,
     update, push weights, in sequence. `separate_async`: rollout workers generate the next batches while
     the trainer updates; batch k is generated with policy version max(0, k - max_staleness) rounded to a
     version the trainer pushed (every parameter_sync_step steps): up for `wait`, down for `drop`, where a
@@ -300,27 +185,73 @@ RUN_KEY_EXCLUDED = frozenset({"name", "after", "num_cpus", "resources", "checkpo
 RUN_KEY_EXCLUDED_EXECUTION = frozenset({"max_failures", "retry_backoff_s"})
 
 
+class ModelFrom(Strict):
+    """`model: {from: STAGE}`: start from the final checkpoint of an upstream training stage (sft or rl).
+    The stage runner fills in `weights_sha256` (part of the run key) and `uri` (where the actors load it)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    from_: str = Field(alias="from", description="An upstream sft or rl stage.")
+    weights_sha256: str | None = Field(None, description="Set by the runner: the upstream checkpoint's weights digest.")
+    uri: str | None = Field(None, description="Set by the runner: the upstream checkpoint folder.")
+
+    @model_serializer(mode="wrap")
+    def _dump_by_alias(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        out = {"from": data.get("from", data.get("from_"))}
+        out.update({k: data[k] for k in ("weights_sha256", "uri") if data.get(k) is not None})
+        return out
+
+
 class RLStage(StageBase):
-    kind: Literal["rl"] = "rl"
-    model: str = Field("tiny://lm", description="Model URI: tiny://NAME, a save_pretrained folder, s3://..., org/name.")
+    """A training stage: `kind: rl` (an RL or preference algorithm) or `kind: sft` (supervised
+    fine-tuning; `algorithm:` defaults to sft). Both run on Ray with checkpoints and resume."""
+
+    kind: Literal["rl", "sft"] = "rl"
+    model: str | ModelFrom = Field(
+        "tiny://lm", description="Model URI: tiny://NAME, a save_pretrained folder, s3://..., org/name; or "
+                                 "{from: STAGE}: the final checkpoint of an upstream sft or rl stage.")
     adapter: str | None = Field(None, description="Training adapter by name (causal_lm, qwen3_omni, "
                                                   "qwen3_omni_thinker, sd3); default: the model's own.")
     adapter_stage: str | None = Field(None, description="The part of the model trained (all, thinker); "
                                                         "picks the adapter registered for it.")
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of the full model.")
     data: str = Field(description="Dataset key, optionally with a split: `gsm8k` or `gsm8k:train`.")
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    algorithm: Annotated[SerializeAsAny[AlgorithmOptions], WithJsonSchema(_ALGORITHM_SCHEMA)] = Field(
+        default=None, validate_default=True,  # type: ignore[arg-type]
+        description="`name` picks the algorithm (grpo, gspo, dpo, mpo, flow_grpo, sft, or a registered policy "
+                    "loss); the other keys are its options.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     trainer: TrainerConfig = Field(
         default_factory=TrainerConfig,
-        description="lr and batch_size default by algorithm: 1e-4/4 (grpo, gspo), 1e-3/8 (dpo, mpo), 3e-4/2 (flow_grpo).")
+        description="lr and batch_size default by algorithm: 1e-4/4 (grpo, gspo), 1e-3/8 (dpo, mpo), 3e-4/2 "
+                    "(flow_grpo), 3e-3/32 (sft).")
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved for the trainer actor (resources.trainer.CPU).")
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     resources: dict[Literal["trainer", "rollout", "reward"], dict[str, Annotated[float, Field(ge=0)]]] = Field(
         default_factory=dict, description="Ray resources per role, e.g. {rollout: {CPU: 1, GPU: 1}}; defaults: "
                                           "trainer CPU num_cpus, rollout CPU 1, reward CPU 0.")
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _chosen_algorithm(cls, value: Any, info: ValidationInfo) -> AlgorithmOptions:
+        return parse_options(value, "sft" if info.data.get("kind") == "sft" else "grpo")
+
+    @property
+    def record(self) -> Any:
+        """The algorithm's record (omni_core.training.algorithms.Algorithm)."""
+        return get_algorithm(self.algorithm.name)
+
+    @property
+    def model_uri(self) -> str:
+        """Where the starting model loads from (a `{from: STAGE}` model once the runner resolved it)."""
+        if isinstance(self.model, str):
+            return self.model
+        if self.model.uri is None:
+            raise ValueError(f"stages.{self.name}.model: from {self.model.from_} is not resolved yet (the stage "
+                             "runner sets it from the upstream stage's checkpoint)")
+        return self.model.uri
 
     def role_resources(self, role: str) -> dict[str, float]:
         """The Ray resources of one actor of `role` (CPU plus any GPU / NPU / custom resource)."""
@@ -330,7 +261,7 @@ class RLStage(StageBase):
     @model_validator(mode="after")
     def _algorithm_defaults(self) -> RLStage:
         """Keys left unset whose default depends on the algorithm get that algorithm's default."""
-        for path, value in ALGORITHM_DEFAULTS.get(self.algorithm.name, {}).items():
+        for path, value in self.record.defaults.items():
             section, key = path.split(".")
             part = getattr(self, section)
             if key not in part.model_fields_set:
@@ -339,13 +270,9 @@ class RLStage(StageBase):
 
     def unused_keys(self) -> list[str]:
         """`section.key` of trainer/rollout/reward keys set in the file that the algorithm does not read."""
-        uses = STAGE_KEYS[self.algorithm.name]
-        unused = []
-        for section in ("trainer", "rollout", "reward"):
-            keys = uses.get(section, ())
-            unused += [f"{section}.{k}" for k in sorted(getattr(self, section).model_fields_set)
-                       if keys != ALL and k not in keys]
-        return unused
+        record = self.record
+        return [f"{section}.{k}" for section in ("trainer", "rollout", "reward")
+                for k in sorted(getattr(self, section).model_fields_set) if not record.reads(section, k)]
 
     @model_serializer(mode="wrap")
     def _dump_what_applies(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -355,7 +282,7 @@ class RLStage(StageBase):
         for key in ("adapter", "adapter_stage", "lora"):
             if data.get(key, "") is None:
                 del data[key]
-        uses = STAGE_KEYS[self.algorithm.name]
+        uses = self.record.stage_keys
         for section in ("trainer", "rollout", "reward"):
             if section not in data:
                 continue
@@ -367,46 +294,76 @@ class RLStage(StageBase):
         return data
 
 
+TrainingStage = RLStage
+TRAINING_KINDS = ("rl", "sft")
+
 # What a model URI or adapter name is, where that is known without loading anything.
-_DIFFUSION, _LM = "a text-to-image diffusion model", "a language model"
-_KNOWN_MODELS = {"tiny://sd3": _DIFFUSION, "tiny://lm": _LM, "tiny://qwen3-omni": _LM}
-_KNOWN_ADAPTERS = {"sd3": _DIFFUSION, "causal_lm": _LM, "qwen3_omni": _LM, "qwen3_omni_thinker": _LM}
+_KNOWN_MODELS = {"tiny://sd3": DIFFUSION_MODEL, "tiny://lm": LANGUAGE_MODEL, "tiny://qwen3-omni": LANGUAGE_MODEL}
+_KNOWN_ADAPTERS = {"sd3": DIFFUSION_MODEL, "causal_lm": LANGUAGE_MODEL, "qwen3_omni": LANGUAGE_MODEL,
+                   "qwen3_omni_thinker": LANGUAGE_MODEL}
 PREFERENCE_CONVERTERS = ("omni_preference",)
 
 
+def _example_model(kind: str) -> str:
+    return "e.g. tiny://sd3" if kind == DIFFUSION_MODEL else "e.g. tiny://lm; flow_grpo trains diffusion models"
+
+
 def _rl_stage_problem(stage: RLStage, datasets: dict[str, DatasetConfig]) -> str | None:
-    """The first combination in an rl stage that cannot work, as `key.path: message`, or None."""
+    """The first combination in a training stage that cannot work, as `key.path: message`, or None."""
     where = f"stages.{stage.name}"
-    algo = stage.algorithm.name
+    algo, record = stage.algorithm.name, stage.record
+    if stage.kind == "sft" and record.data != SUPERVISED:
+        return (f"{where}.algorithm.name: a stage of kind sft trains with a supervised algorithm (sft), not {algo}; "
+                "use kind: rl for it")
+    if stage.kind == "rl" and record.data == SUPERVISED:
+        return f"{where}.algorithm.name: {algo} is supervised fine-tuning: use kind: sft for this stage"
     unused = stage.unused_keys()
     if unused:
-        reads = STAGE_KEYS[algo]
+        reads = record.stage_keys
         said = "; ".join(f"{s}: {', '.join(k) if k != ALL else 'all'}" for s, k in reads.items()) or "none"
         return (f"{where}.{unused[0]}: not used by {algo} (remove it; {algo} reads {said}; "
                 f"its own options go under algorithm:)")
-    if stage.execution.mode == "separate_async" and algo not in ("grpo", "gspo"):
-        return (f"{where}.execution.mode: separate_async runs rollout workers beside the trainer, for grpo and gspo; "
-                f"{algo} trains in one actor (mode: sync)")
-    model_kind = _KNOWN_MODELS.get(stage.model)
+    if stage.execution.mode == "separate_async" and not record.separate_async:
+        from omni_core.training.algorithms import algorithm_names, get_algorithm
+
+        able = [n for n in algorithm_names() if get_algorithm(n).separate_async]
+        return (f"{where}.execution.mode: separate_async runs rollout workers beside the trainer, for "
+                f"{' and '.join(able)}; {algo} trains in one actor (mode: sync)")
+    model_name = stage.model if isinstance(stage.model, str) else ""
+    model_kind = _KNOWN_MODELS.get(model_name)
     adapter_kind = _KNOWN_ADAPTERS.get(stage.adapter or "")
     if model_kind and adapter_kind and model_kind != adapter_kind:
-        return f"{where}.adapter: {stage.adapter} is for {adapter_kind}, but {stage.model} is {model_kind}"
+        return f"{where}.adapter: {stage.adapter} is for {adapter_kind}, but {model_name} is {model_kind}"
     kind, key = (adapter_kind, "adapter") if adapter_kind else (model_kind, "model")
-    wanted = _DIFFUSION if algo == "flow_grpo" else _LM
+    wanted = record.model_kind
     if kind and kind != wanted:
-        value = stage.adapter if key == "adapter" else stage.model
-        hint = "e.g. tiny://sd3" if algo == "flow_grpo" else "e.g. tiny://lm; flow_grpo trains diffusion models"
-        return f"{where}.{key}: {algo} trains {wanted} ({hint}), but {value} is {kind}"
+        value = stage.adapter if key == "adapter" else model_name
+        return f"{where}.{key}: {algo} trains {wanted} ({_example_model(wanted)}), but {value} is {kind}"
     dataset_key = stage.data.split(":", 1)[0]
     dataset = datasets.get(dataset_key)
     if dataset is not None:
         pairs = dataset.converter in PREFERENCE_CONVERTERS
-        if algo in PREFERENCE_ALGORITHMS and not pairs:
+        if record.data == PAIRS and not pairs:
             return (f"{where}.data: {algo} trains on preference pairs (a dataset with converter "
                     f"{' or '.join(PREFERENCE_CONVERTERS)}), but '{dataset_key}' uses converter {dataset.converter}")
-        if algo not in PREFERENCE_ALGORITHMS and pairs:
+        if record.data not in (PAIRS, SUPERVISED) and pairs:
             return (f"{where}.data: {algo} samples responses to prompts and rewards them, but '{dataset_key}' "
                     f"holds preference pairs (converter {dataset.converter}); use algorithm.name dpo or mpo")
+    return None
+
+
+def _model_from_problem(config: Any, stage: RLStage) -> str | None:
+    """`model: {from: X}` names an upstream training stage that trains the same kind of model."""
+    if isinstance(stage.model, str):
+        return None
+    chosen = stage.model.from_
+    problem = _upstream_problem(config, stage.name, "model.from", chosen, TRAINING_KINDS, "a starting model")
+    if problem:
+        return problem
+    source = config.stage(chosen)
+    if source.record.model_kind != stage.record.model_kind:
+        return (f"stages.{stage.name}.model.from: stage '{chosen}' trains {source.record.model_kind}, "
+                f"but {stage.algorithm.name} trains {stage.record.model_kind}")
     return None
 
 
@@ -414,12 +371,12 @@ def _rl_stage_problem(stage: RLStage, datasets: dict[str, DatasetConfig]) -> str
 
 
 class EvalStage(StageBase):
-    """Scores the checkpoint of an upstream rl stage on a dataset split with the dataset's rewards;
-    logs verl's `val/*` metrics on its MLflow run, linked to the checkpoint's logged model."""
+    """Scores the checkpoint of an upstream training stage (rl or sft) on a dataset split with the
+    dataset's rewards; logs verl's `val/*` metrics on its MLflow run, linked to the checkpoint's logged model."""
 
     kind: Literal["eval"] = "eval"
-    checkpoint_from: str | None = Field(None, description="The rl stage whose checkpoint is scored; "
-                                                          "default: the nearest upstream rl stage.")
+    checkpoint_from: str | None = Field(None, description="The rl or sft stage whose checkpoint is scored; "
+                                                          "default: the nearest upstream one.")
     data: str = Field(description="Dataset key with a split: `gsm8k:test` (split default: test).")
     reward: RewardConfig | None = Field(None, description="Default: each row's data_source picks its reward; "
                                                           "else a registered name or path.py:function.")
@@ -447,14 +404,15 @@ class EvalStage(StageBase):
         if config.datasets[key].converter in PREFERENCE_CONVERTERS:
             return (f"{where}.data: '{key}' holds preference pairs (converter {config.datasets[key].converter}); "
                     "eval scores responses to prompts with rewards: use a prompt dataset (e.g. gsm8k:test)")
-        problem = _upstream_problem(config, self.name, "checkpoint_from", self.checkpoint_from, "rl",
+        problem = _upstream_problem(config, self.name, "checkpoint_from", self.checkpoint_from, TRAINING_KINDS,
                                     "a trained checkpoint to score")
         if problem:
             return problem
-        source = config.stage(upstream_stage(config, self.name, "checkpoint_from", self.checkpoint_from, "rl"))
-        if source.algorithm.name == "flow_grpo":
-            return (f"{where}.checkpoint_from: stage '{source.name}' trains a text-to-image diffusion model "
-                    "(flow_grpo); eval generates text with a language model: point it at an rl stage that trains one")
+        source = config.stage(upstream_stage(config, self.name, "checkpoint_from", self.checkpoint_from, TRAINING_KINDS))
+        if source.record.model_kind != LANGUAGE_MODEL:
+            return (f"{where}.checkpoint_from: stage '{source.name}' trains {source.record.model_kind} "
+                    f"({source.algorithm.name}); eval generates text with a language model: point it at a stage "
+                    "that trains one")
         return None
 
 
@@ -490,26 +448,31 @@ def _ancestors(config: Any, name: str) -> list[str]:
     return [n for n in reversed(order) if n in found]
 
 
-def upstream_stage(config: Any, name: str, field: str, chosen: str | None, kind: str) -> str | None:
-    """The stage `field` names (when it is an upstream stage of `kind`), else the nearest upstream one."""
+def upstream_stage(config: Any, name: str, field: str, chosen: str | None, kind: str | tuple[str, ...]) -> str | None:
+    """The stage `field` names (when it is an upstream stage of `kind`, or one of the kinds), else the
+    nearest upstream one."""
+    wanted = (kind,) if isinstance(kind, str) else kind
     kinds = {s.name: s.kind for s in config.stages}
-    ancestors = [a for a in _ancestors(config, name) if kinds[a] == kind]
+    ancestors = [a for a in _ancestors(config, name) if kinds[a] in wanted]
     if chosen is not None:
         return chosen if chosen in ancestors else None
     return ancestors[0] if ancestors else None
 
 
-def _upstream_problem(config: Any, name: str, field: str, chosen: str | None, kind: str, what: str) -> str | None:
+def _upstream_problem(config: Any, name: str, field: str, chosen: str | None, kind: str | tuple[str, ...],
+                      what: str) -> str | None:
     if upstream_stage(config, name, field, chosen, kind) is not None:
         return None
     where = f"stages.{name}"
     kinds = {s.name: s.kind for s in config.stages}
+    wanted = (kind,) if isinstance(kind, str) else kind
+    kind = " or ".join(wanted)
     if chosen is None:
-        return (f"{where}.after: no upstream {kind} stage to take {what} from; add a {kind} stage to its after: "
+        return (f"{where}.after: no upstream {kind} stage to take {what} from; add an {kind} stage to its after: "
                 f"list (directly or through another stage), or name one with {field}:")
     if chosen not in kinds:
         return f"{where}.{field}: '{chosen}' is not a stage (stages: {', '.join(kinds)})"
-    if kinds[chosen] != kind:
+    if kinds[chosen] not in wanted:
         return f"{where}.{field}: '{chosen}' is a stage of kind {kinds[chosen]}, not {kind}; name an upstream {kind} stage"
     return f"{where}.{field}: '{chosen}' is not upstream of {name}; add it to {name}'s after: list"
 
@@ -547,6 +510,8 @@ class PipelineConfig(Strict):
         self.ordered_stages()  # raises on a cycle
         for stage in self.stages:  # checks that need the whole graph (an eval's upstream rl stage, ...)
             if (check := getattr(stage, "pipeline_problem", None)) and (problem := check(self)):
+                raise ValueError(problem)
+            if isinstance(stage, RLStage) and (problem := _model_from_problem(self, stage)):
                 raise ValueError(problem)
         return self
 

@@ -59,6 +59,19 @@ class DatasetVersion:
     def shard_keys(self, split: str) -> list[str]:
         return [s["key"] for s in self.manifest["splits"][split]["shards"]]
 
+    def rows(self, store: Any, split: str) -> list[dict[str, Any]]:
+        """Every row of `split`, as dicts, in shard order (what training and eval read)."""
+        return read_rows(store, self.shard_keys(split))
+
+
+def read_rows(store: Any, shard_keys: list[str]) -> list[dict[str, Any]]:
+    """The rows of Parquet shards in `store`, in order, as dicts."""
+    rows: list[dict[str, Any]] = []
+    for key in shard_keys:
+        with store.open_read(key) as f:
+            rows.extend(pq.read_table(f).to_pylist())
+    return rows
+
 
 def version_id(converter: Converter, raw: RawSource, options: dict[str, Any]) -> str:
     """Digest of everything that determines the output: converter and version, raw bytes, options."""

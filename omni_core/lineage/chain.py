@@ -125,6 +125,7 @@ def _lineage(client: Any, target: str | None, store_root: str | None, tracking_u
         sibling = sibling_training_run(client, eval_run)
         if sibling is not None and all(sibling.info.run_id != r.info.run_id for r, _ in runs):
             runs.append((sibling, cached if runs else "trained the checkpoint"))
+    runs += starting_models(client, runs[0][0] if runs else None, warnings)
     chain["training"] = [training_summary(run, role) for run, role in runs]
     if not runs:
         warnings.append("no training run found (no omni.training_run_id tag or logged model source run)")
@@ -163,3 +164,21 @@ def _lineage(client: Any, target: str | None, store_root: str | None, tracking_u
                                  "command": entry["recheck"]})
     return chain
 
+
+
+def starting_models(client: Any, run: Any, warnings: list[str], limit: int = 10) -> list[tuple[Any, str]]:
+    """The training runs behind a `model: {from: STAGE}` start, nearest first (rl -> sft -> ...): each
+    run's `omni.model_from.model_id` tag names the logged model whose source run trained it."""
+    found: list[tuple[Any, str]] = []
+    while run is not None and len(found) < limit:
+        tags = run_tags(run)
+        model_id = tags.get("omni.model_from.model_id")
+        if not model_id:
+            break
+        try:
+            run = fetch_run(client, client.get_logged_model(model_id).source_run_id, "training run")
+        except (MlflowException, LineageError) as exc:
+            warnings.append(f"starting model {model_id} of run {tags.get('mlflow.runName', '')}: {exc}")
+            break
+        found.append((run, f"trained the starting model (model: {{from: {tags.get('omni.model_from.stage', '')}}})"))
+    return found

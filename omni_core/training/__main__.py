@@ -37,7 +37,11 @@ def rl_stage(config: PipelineConfig, name: str) -> RLStage:
     for stage in config.stages:
         if stage.name == name:
             if not isinstance(stage, RLStage):
-                raise ConfigError(f"stage {name} is a {stage.kind} stage; give an rl stage")
+                raise ConfigError(f"stage {name} is a {stage.kind} stage; give an rl or sft stage")
+            if not isinstance(stage.model, str):
+                raise ConfigError(f"stages.{name}.model: from {stage.model.from_} is resolved by `omni run` from the "
+                                  "upstream stage's result; for a single training job give the checkpoint folder: "
+                                  f"stages.{name}.model=URI")
             return stage
     names = ", ".join(s.name for s in config.stages if isinstance(s, RLStage)) or "none"
     raise ConfigError(f"no stage named {name!r} in pipeline {config.name} (its rl stages: {names})")

@@ -14,7 +14,6 @@ trainer's trainable parameters (only the LoRA adapter with LoRA).
 from __future__ import annotations
 
 import os
-import random
 import time
 from typing import Any
 
@@ -22,6 +21,7 @@ import ray
 import torch
 
 from omni_core.config.models import RLStage
+from omni_core.training.trainer import rng_state, set_rng_state
 
 
 def trainable_module(model: Any) -> torch.nn.Module:
@@ -37,17 +37,6 @@ def trainable_weights(model: Any) -> dict[str, torch.Tensor]:
 def prompt_range(batch_size: int, workers: int, worker: int) -> tuple[int, int]:
     """Prompts [lo, hi) of a step's `batch_size` that worker `worker` of `workers` handles."""
     return batch_size * worker // workers, batch_size * (worker + 1) // workers
-
-
-def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
-
-
-def set_rng_state(torch_state: torch.Tensor, python_state: list[Any] | None) -> None:
-    torch.set_rng_state(torch_state)
-    if python_state is not None:
-        version, internal, gauss = python_state
-        random.setstate((version, tuple(internal), gauss))
 
 
 class _StageActor:
@@ -79,15 +68,13 @@ class RolloutWorker(_StageActor):
 
     def __init__(self, stage_json: dict[str, Any], seed: int, rows: list[dict[str, Any]], worker: int, workers: int):
         super().__init__(stage_json, seed, rows)
-        from omni_core.models import load_model
         from omni_core.rollout.autoregressive import ARengine
         from omni_core.rollout.engine import EngineConfig
-        from omni_core.training.stage_trainers import lora_spec
+        from omni_core.training.stage_trainers import load_stage_model
 
         stage = self.stage
         self.worker, self.workers = worker, workers
-        self.model, self.text_io = load_model(stage.model, seed=seed, adapter=stage.adapter, stage=stage.adapter_stage,
-                                              lora=lora_spec(stage))
+        self.model, self.text_io = load_stage_model(stage, seed)
         self.engine = ARengine(self.model, self.text_io, EngineConfig(max_num_seqs=stage.rollout.max_num_seqs,
                                                                       step_execution=stage.rollout.step_execution))
         self.version = 0
@@ -165,18 +152,15 @@ class RewardWorker(_StageActor):
 
 @ray.remote
 class TrainerWorker(_StageActor):
-    """Holds the policy, the reference and the optimizer. GRPO/GSPO learn from batches the rollout
-    workers made; DPO/MPO and FlowGRPO run their whole step here (`step_colocated`)."""
+    """Holds the trainer (`omni_core.training.trainer.Trainer`: policy, reference, optimizer). An
+    algorithm with `separate_async` learns from batches the rollout workers made (`learn`); the others
+    run their whole step here (`step_colocated`)."""
 
     def __init__(self, stage_json: dict[str, Any], seed: int, rows: list[dict[str, Any]]):
         super().__init__(stage_json, seed, rows)
         from omni_core.training.stage_trainers import build_stage_trainer
 
         self.trainer = build_stage_trainer(self.stage, rows, seed, rollout=False)
-
-    @property
-    def inner(self) -> Any:
-        return self.trainer.trainer
 
     def global_step(self) -> int:
         return self.trainer.global_step
@@ -193,7 +177,7 @@ class TrainerWorker(_StageActor):
         if self.trainer.global_step != step:
             raise RuntimeError(f"trainer is at step {self.trainer.global_step}, was given batch {step}")
         if drop:
-            self.inner.global_step += 1
+            self.trainer.global_step += 1
             return {}
         prompts = [p for part in parts for p in part["prompts"]]
         media = None if parts[0]["media"] is None else [m for part in parts for m in part["media"]]
@@ -201,7 +185,7 @@ class TrainerWorker(_StageActor):
         batch = assemble_rollouts(prompts, results, n=self.stage.rollout.n, pad_id=_pad_id(self.trainer.text_io),
                                   media=media)
         rewards = torch.tensor([s for part in scores for s in part["scores"]], dtype=torch.float32)
-        return self.inner.learn(batch, rewards)
+        return self.trainer.learn(batch, rewards)  # type: ignore[attr-defined]
 
     def step_colocated(self, step: int) -> dict[str, float]:
         if self.trainer.global_step != step:
@@ -215,9 +199,10 @@ class TrainerWorker(_StageActor):
         from omni_core.storage import Store
         from omni_core.training.checkpoint import TrainingState, save_checkpoint
 
-        rngs = {**rngs, "trainer": rng_state()}
+        own = self.trainer.state_dict()
+        rngs = {**rngs, "trainer": own["rng"]}
         state = TrainingState(
-            policy=trainable_weights(self.trainer.model), optimizer=self.inner.optimizer.state_dict(),
+            policy=trainable_weights(self.trainer.model), optimizer=own["optimizer"],
             rng={name: r["torch"] for name, r in rngs.items()},
             info={**info, "global_step": self.trainer.global_step,
                   "python_rng": {name: list(r["python"]) for name, r in rngs.items()}},
@@ -235,9 +220,8 @@ class TrainerWorker(_StageActor):
             raise RuntimeError(f"checkpoint parameters differ from the model's trainable ones, e.g. {sorted(missing)[:3]}")
         with torch.no_grad():
             module.load_state_dict(policy, strict=False)
-        self.inner.optimizer.load_state_dict(optimizer)
-        self.inner.global_step = global_step
-        set_rng_state(torch_rng, python_rng)
+        self.trainer.load_state_dict({"optimizer": optimizer, "global_step": global_step,
+                                      "rng": {"torch": torch_rng, "python": python_rng}})
 
 
 class _Result:

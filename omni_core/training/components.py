@@ -28,15 +28,17 @@ carries its prompt's media tensors (`RolloutBatch.media`), and generation and ev
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from omni_core.errors import ModelError
 from omni_core.models import sequence_logprobs
 from omni_core.rewards import score_batch
 from omni_core.rollout.autoregressive import ARengine, ARPrompt
@@ -285,6 +287,25 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return reference
 
 
+def make_reference(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The frozen reference an algorithm keeps: None for a LoRA (peft) policy, whose reference is the
+    policy with its adapter disabled (the base weights), else a frozen copy of the starting policy."""
+    return None if hasattr(model, "disable_adapter") else frozen_copy(model)
+
+
+@contextlib.contextmanager
+def reference_policy(model: torch.nn.Module, frozen: torch.nn.Module | None) -> Iterator[torch.nn.Module]:
+    """The reference to run: `frozen` (from `make_reference`), or the LoRA policy with its adapter disabled."""
+    if frozen is not None:
+        yield frozen
+        return
+    if not hasattr(model, "disable_adapter"):
+        raise ModelError("no reference model given and the policy has no LoRA adapter to disable; "
+                         "pass reference=frozen_copy(model) (what make_reference(model) returns) for full fine-tuning")
+    with model.disable_adapter():
+        yield model
+
+
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.01) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (torch's defaults otherwise)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -345,27 +366,41 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], *, reward: str | None = None,
-             sampling: Sampling | None = None, n: int = 1, max_prompt_tokens: int = 256, batch_size: int = 64,
-             seed: int = 0) -> dict[str, float]:
-    """Mean reward of `n` responses per row (greedy unless `sampling` says otherwise), verl's val names
-    (`tokenizer` may be a multimodal processor):
-    `val/reward_mean` and `val-core/{data_source}/reward/mean@{n}` per data source.
-
-    The sampling noise depends on `seed` only, so evaluating two checkpoints with the same seed
-    compares them on the same random numbers.
-    """
+def score_records(model: torch.nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], *,
+                  reward: str | None = None, sampling: Sampling | None = None, n: int = 1,
+                  max_prompt_tokens: int = 256, batch_size: int = 64, seed: int = 0) -> list[dict[str, Any]]:
+    """`n` responses per row (greedy unless `sampling` says otherwise), scored: one record per response
+    (`row`, `response`, `score`; response j of row i is record i * n + j). `tokenizer` may be a
+    multimodal processor. The sampling noise depends on `seed` only, so two checkpoints scored with the
+    same seed are compared on the same random numbers."""
     sampling = sampling or Sampling(greedy=True)
-    scores: list[float] = []
+    records: list[dict[str, Any]] = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
         prompts, media = encode_prompt_inputs(tokenizer, chunk, max_prompt_tokens)
         batch = generate_rollouts(model, tokenizer, prompts, media=media, n=n, sampling=sampling, seed=seed + start)
-        scores += [r["score"] for r in score_rollouts(chunk, batch.responses, reward, n)]
-    out = {"val/reward_mean": sum(scores) / max(len(scores), 1)}
+        scored = score_rollouts(chunk, batch.responses, reward, n)
+        records += [{"row": chunk[i // n], "response": text, "score": float(s["score"])}
+                    for i, (text, s) in enumerate(zip(batch.responses, scored, strict=True))]
+    return records
+
+
+def val_metrics(records: Sequence[dict[str, Any]], n: int) -> dict[str, float]:
+    """verl's validation names: `val/reward_mean` and `val-core/{data_source}/reward/mean@{n}`."""
+    scores = [r["score"] for r in records]
+    metrics = {"val/reward_mean": sum(scores) / max(len(scores), 1)}
     by_source: dict[str, list[float]] = {}
-    for i, score in enumerate(scores):
-        by_source.setdefault(rows[i // n].get("data_source", ""), []).append(score)
+    for r in records:
+        by_source.setdefault(r["row"].get("data_source", ""), []).append(r["score"])
     for source, values in by_source.items():
-        out[f"val-core/{source}/reward/mean@{n}"] = sum(values) / len(values)
-    return out
+        metrics[f"val-core/{source}/reward/mean@{n}"] = sum(values) / len(values)
+    return metrics
+
+
+def evaluate(model: torch.nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], *, reward: str | None = None,
+             sampling: Sampling | None = None, n: int = 1, max_prompt_tokens: int = 256, batch_size: int = 64,
+             seed: int = 0) -> dict[str, float]:
+    """Mean reward of `n` responses per row, verl's val names (`score_records`, `val_metrics`)."""
+    records = score_records(model, tokenizer, rows, reward=reward, sampling=sampling, n=n,
+                            max_prompt_tokens=max_prompt_tokens, batch_size=batch_size, seed=seed)
+    return val_metrics(records, n)

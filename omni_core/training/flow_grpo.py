@@ -28,28 +28,31 @@ The components, each one thing on plain torch objects (formulas in `omni_core.al
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from torch import Tensor
 
 from omni_core.algorithms.flow_grpo import flow_grpo_advantages, flow_grpo_loss, flow_sde_step
-from omni_core.errors import ConfigError, DataError
+from omni_core.errors import ConfigError, DataError, ModelError
 from omni_core.models.diffusion import PromptEmbeds, SD3Model
 from omni_core.rewards import resolve_reward, score_batch
 from omni_core.rewards.registry import RewardFn
 from omni_core.rollout.diffusion import DiffusionSampling, sample_trajectories
 from omni_core.rollout.engine import RolloutResult
 from omni_core.rollout.metrics import rollout_consistency
+from omni_core.training.algorithms.flow_grpo import FlowGRPOOptions
+from omni_core.training.components import PromptCursor, build_optimizer, make_reference
+from omni_core.training.components import reference_policy as shared_reference
+from omni_core.training.trainer import TrainerState
 
 __all__ = [
     "DiffusionRollout",
@@ -66,37 +69,20 @@ __all__ = [
 ]
 
 
-class FlowGRPOConfig(BaseModel):
-    """Hyper-parameters of a FlowGRPO stage (defaults: flow_grpo's SD3 OCR recipe where it has one)."""
+class FlowGRPOConfig(FlowGRPOOptions):
+    """A FlowGRPO trainer's settings: the stage's `algorithm:` options (`FlowGRPOOptions`, defined once,
+    in omni_core.training.algorithms.flow_grpo) plus the stage's trainer, rollout and reward keys."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    set_elsewhere: ClassVar[dict[str, str]] = {}
 
-    # rollout
     group_size: int = Field(4, ge=1, description="Images per prompt (rollout.n), the advantage group.")
     prompts_per_step: int = Field(2, ge=1, description="Prompts per step (trainer.batch_size).")
-    num_steps: int = Field(10, ge=1, description="Denoising steps of a training rollout (SDE).")
-    noise_level: float = Field(0.7, gt=0, description="SDE noise level a of the rollout.")
-    sde_type: Literal["sde", "cps"] = "sde"
-    guidance_scale: float = Field(4.5, ge=1.0, description="True-CFG weight w; 1.0 turns CFG off.")
-    negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch.")
     eval_num_steps: int = Field(40, ge=1, description="Denoising steps of the ODE evaluation.")
-    # algorithm
-    adv_std: Literal["group", "global"] = "group"
-    adv_clip: float = Field(5.0, gt=0)
-    clip_range: float = Field(1e-4, gt=0)
-    kl_beta: float = Field(0.0, ge=0, description="Weight of the KL to the reference (0.04 for OCR).")
-    timestep_fraction: float = Field(1.0, gt=0, le=1, description="Share of the steps trained (the first).")
-    # optimisation
     lr: float = Field(3e-4, gt=0)
-    weight_decay: float = Field(1e-4, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout.")
-    mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the rollout split evenly).")
     reward: str = Field("jpeg_compressibility", description="Reward name, data_source or path.py:function.")
-
-    @property
-    def num_train_steps(self) -> int:
-        return max(1, int(self.num_steps * self.timestep_fraction))
 
 
 # ---- rollout ------------------------------------------------------------------------------------
@@ -290,14 +276,13 @@ def step_log_prob(model: SD3Model, batch: DiffusionRollout, j: int) -> tuple[Ten
 @contextmanager
 def reference_policy(model: SD3Model, frozen: torch.nn.Module | None = None) -> Iterator[SD3Model]:
     """The KL reference: `model` with its LoRA adapter disabled, or `model` with the `frozen`
-    transformer (a copy of the starting weights) when the whole transformer is trained."""
-    if frozen is not None:
-        yield dataclasses.replace(model, transformer=frozen)
-        return
-    if not hasattr(model.transformer, "disable_adapter"):
-        raise ValueError("a KL reference needs a LoRA model or a frozen copy of the transformer")
-    with model.transformer.disable_adapter():
-        yield model
+    transformer (a copy of the starting weights) when the whole transformer is trained
+    (`components.reference_policy` on the transformer)."""
+    try:
+        with shared_reference(model.transformer, frozen) as transformer:
+            yield model if transformer is model.transformer else dataclasses.replace(model, transformer=transformer)
+    except ModelError as exc:
+        raise ValueError(f"a KL reference needs a LoRA model or a frozen copy of the transformer ({exc})") from None
 
 
 def policy_update(
@@ -344,17 +329,7 @@ def policy_update(
 # ---- the trainer --------------------------------------------------------------------------------
 
 
-def _prompt_order(step: int, count: int, num_rows: int, seed: int) -> list[int]:
-    """Row indices of step `step`: a fresh seeded permutation of the rows per epoch."""
-    out = []
-    for position in range(step * count, (step + 1) * count):
-        epoch, offset = divmod(position, num_rows)
-        perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(derive_seed(seed, _PROMPTS, epoch)))
-        out.append(int(perm[offset]))
-    return out
-
-
-class FlowGRPOTrainer:
+class FlowGRPOTrainer(TrainerState):
     """`step()` runs one FlowGRPO step on `model` (trained in place) and returns verl-named metrics;
     `evaluate()` scores ODE samples of fixed prompts and seeds.
 
@@ -367,21 +342,20 @@ class FlowGRPOTrainer:
         if not rows:
             raise DataError("FlowGRPO got no prompt rows; check the stage's dataset and split")
         self.config, self.model, self.rows, self.seed = config, model, list(rows), seed
+        self.text_io: Any = None  # what a checkpoint saves beside the weights (the factory sets the tokenizer)
         self.reward = resolve_reward(config.reward)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ConfigError("the model has no trainable parameters; load it with LoRA or unfrozen")
-        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-        is_lora = hasattr(model.transformer, "disable_adapter")
-        self.frozen_reference = None
-        if config.kl_beta > 0 and not is_lora:
-            self.frozen_reference = copy.deepcopy(model.transformer).requires_grad_(False).eval()
+        self.optimizer = build_optimizer(model, config.lr, weight_decay=config.weight_decay)
+        self.frozen_reference = make_reference(model.transformer) if config.kl_beta > 0 else None
+        self.cursor = PromptCursor(len(self.rows), seed)
         self.global_step = 0
 
     def step(self) -> dict[str, float]:
         cfg, step = self.config, self.global_step
         start = time.perf_counter()
-        picked = _prompt_order(step, cfg.prompts_per_step, len(self.rows), self.seed)
+        picked = self.cursor.batch(step, cfg.prompts_per_step)
         rows = [self.rows[i] for i in picked for _ in range(cfg.group_size)]
         group_ids = [g for g in range(len(picked)) for _ in range(cfg.group_size)]
         seeds = [sample_seed(self.seed, step, i) for i in range(len(rows))]

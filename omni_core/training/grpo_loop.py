@@ -17,7 +17,8 @@ from `omni_core.training.components`; `step` reads top to bottom as the algorith
 2. reward: verl's `compute_score(data_source, solution_str, ground_truth, extra_info)` per response;
 3. advantages: GRPO group normalisation (`algorithm.adv_scale`);
 4. old log-probs under the behaviour policy, and reference log-probs when `algorithm.kl_beta > 0`
-   (the reference is a frozen copy of the starting policy; k3 KL added as `kl_beta * kl`);
+   (the reference is a frozen copy of the starting policy, or with LoRA the policy with its adapter
+   disabled: `components.make_reference`; k3 KL added as `kl_beta * kl`);
 5. update: `trainer.ppo_epochs` passes in mini-batches of `trainer.ppo_mini_batch_size` prompts,
    one AdamW step each, with the policy loss registered as `algorithm.name` ("grpo", "gspo").
 
@@ -49,19 +50,21 @@ from omni_core.training.components import (
     build_optimizer,
     encode_prompt_inputs,
     engine_rollouts,
-    frozen_copy,
+    make_reference,
     policy_update,
+    reference_policy,
     rollout_logprobs,
     rollout_seed,
     score_rollouts,
 )
+from omni_core.training.trainer import TrainerState
 
 Batch = RolloutBatch  # the name this module used before the components were split out
 
 __all__ = ["Batch", "GRPOTrainer", "PromptCursor"]
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrainerState):
     """`step()` runs one GRPO/GSPO step and returns verl-named metrics.
 
     The policy is `stage.model` loaded with `seed`, unless a warm-started `model` and its
@@ -77,7 +80,7 @@ class GRPOTrainer:
             model, tokenizer = load_model(stage.model, seed=seed)
         self.model, self.tokenizer = model, tokenizer
         self.model.train()
-        self.reference = frozen_copy(self.model) if stage.algorithm.kl_beta > 0 else None
+        self.reference = make_reference(self.model) if stage.algorithm.kl_beta > 0 else None
         self.optimizer = build_optimizer(self.model, stage.trainer.lr)
         self.loss_fn = get_policy_loss(stage.algorithm.name)
         self.cursor = PromptCursor(len(rows), seed)
@@ -89,6 +92,10 @@ class GRPOTrainer:
             self.engine = ARengine(self.model, self.tokenizer, EngineConfig(max_num_seqs=cfg.max_num_seqs,
                                                                             step_execution=cfg.step_execution))
             self._close_engine = weakref.finalize(self, self.engine.close)
+
+    @property
+    def text_io(self) -> Any:
+        return self.tokenizer
 
     def close(self) -> None:
         """Stop the rollout engine's scheduler thread (idempotent); `generate` fails afterwards."""
@@ -146,7 +153,10 @@ class GRPOTrainer:
         t = time.perf_counter()
         with torch.no_grad():
             old_logp = self.logprobs(batch)
-            ref_logp = None if self.reference is None else rollout_logprobs(self.reference, batch, temperature)
+            ref_logp = None
+            if algo.kl_beta > 0:
+                with reference_policy(self.model, self.reference) as reference:
+                    ref_logp = rollout_logprobs(reference, batch, temperature)
         t_old = time.perf_counter() - t
         # verl's training/rollout_* metrics: the engine's log-probs vs the recomputed old ones (every step;
         # absent only if a subclass's `generate` returns a batch without rollout_logp)

@@ -32,8 +32,6 @@ from omni_core.training.components import Sampling, evaluate
 from omni_core.training.grpo_loop import GRPOTrainer
 from omni_core.training.sft import SFTTrainer, examples_from_rows
 
-RL_ALGORITHMS = ("grpo", "gspo")
-
 
 @dataclass(frozen=True)
 class LearningSetup:

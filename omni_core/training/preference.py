@@ -20,80 +20,61 @@ term), `actor/reward_accuracy`, `actor/chosen_rewards`, `actor/rejected_rewards`
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 from torch import Tensor
 
 from omni_core.algorithms.preference import (
-    MPO_LOSS_TYPES,
-    MPO_LOSS_WEIGHTS,
     SFT,
-    get_preference_loss,
     preference_loss,
     sequence_logps,
     sft_loss,
 )
-from omni_core.errors import ModelError
 from omni_core.models import token_logprobs
-from omni_core.training.components import build_optimizer, frozen_copy, optimizer_step
+from omni_core.training.algorithms.preference import PreferenceOptions
+from omni_core.training.components import (
+    build_optimizer,
+    make_reference,
+    optimizer_step,
+    reference_policy,
+)
 from omni_core.training.multimodal import is_processor, prompt_messages, row_media, tokenizer_of
 from omni_core.training.sampler import ModalityGroupedSampler, row_modality, validation_batches
+from omni_core.training.trainer import TrainerState
 
 Row = Mapping[str, Any]
 VAL_METRICS = ("reward_accuracy", "reward_margin", "chosen_rewards", "rejected_rewards")
 
 
-class PreferenceConfig(BaseModel):
-    """Hyper-parameters of a DPO/MPO stage (VeRL-Omni's `actor.omni_loss` names where they exist)."""
+class PreferenceConfig(PreferenceOptions):
+    """A DPO/MPO trainer's settings: the stage's `algorithm:` options (`PreferenceOptions`, defined once,
+    in omni_core.training.algorithms.preference) plus the stage's trainer keys. `loss_mode` is the
+    options' `name` (dpo or mpo), as VeRL-Omni spells it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    set_elsewhere: ClassVar[dict[str, str]] = {}
 
-    loss_mode: Literal["dpo", "mpo"] = "dpo"
-    loss_type: str | list[str] | None = Field(
-        None, description="dpo: sigmoid | ipo | bco_pair (default sigmoid); mpo: a list (default sigmoid, bco_pair, sft)")
-    loss_weights: list[float] | None = Field(None, description="mpo only; default 0.8, 0.2, 1.0")
-    beta: float = Field(0.1, gt=0)
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
-    average_log_prob: bool = Field(False, description="length-normalised sequence log-probs")
     lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
     batch_size: int = Field(8, ge=1, description="Preference pairs per step.")
     total_steps: int = Field(100, ge=1)
     max_grad_norm: float = Field(1.0, gt=0)
     val_batch_size: int = Field(32, ge=1)
-    modality_weights: dict[str, float] | None = Field(
-        None, description="Chance of each modality per training batch; absent modalities weigh 1.")
 
-    @model_validator(mode="after")
-    def _check_losses(self) -> PreferenceConfig:
-        types, weights = self.loss_types, self.weights
-        if len(types) != len(weights):
-            raise ValueError(f"{len(types)} loss types but {len(weights)} loss_weights; give one weight each")
-        for name in types:
-            if name != SFT:
-                get_preference_loss(name)  # ConfigError naming the known types
-        if self.loss_mode == "dpo" and (len(types) != 1 or types[0] == SFT):
-            raise ValueError(f"loss_mode dpo takes one pairwise loss_type (sigmoid, ipo, bco_pair), not {types}")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_mode_is_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "loss_mode" in data:
+            data = {**data, "name": data["loss_mode"]}
+            del data["loss_mode"]
+        return data
 
     @property
-    def loss_types(self) -> list[str]:
-        if self.loss_type is None:
-            return ["sigmoid"] if self.loss_mode == "dpo" else list(MPO_LOSS_TYPES)
-        return [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
-
-    @property
-    def weights(self) -> list[float]:
-        if self.loss_weights is not None:
-            return list(self.loss_weights)
-        if self.loss_mode == "mpo" and self.loss_type is None:
-            return list(MPO_LOSS_WEIGHTS)
-        return [1.0] * len(self.loss_types)
+    def loss_mode(self) -> str:
+        return self.name
 
 
 # ---- encoding ------------------------------------------------------------------------------------
@@ -159,15 +140,6 @@ def pair_logps(model: torch.nn.Module, batch: PairBatch, average: bool = False) 
     return PairLogps(seq[:b], seq[b:], tokens[:b], batch.response_mask[:b])
 
 
-@contextlib.contextmanager
-def _adapter_disabled(model: Any) -> Iterator[None]:
-    if not hasattr(model, "disable_adapter"):
-        raise ModelError("no reference model given and the policy has no LoRA adapter to disable; "
-                         "pass reference=frozen_copy(model) for full fine-tuning")
-    with model.disable_adapter():
-        yield
-
-
 @torch.no_grad()
 def reference_logps(model: torch.nn.Module, reference: torch.nn.Module | None, batch: PairBatch,
                     average: bool = False) -> PairLogps:
@@ -177,15 +149,10 @@ def reference_logps(model: torch.nn.Module, reference: torch.nn.Module | None, b
     was_training = target.training
     target.eval()
     try:
-        with _adapter_disabled(model) if reference is None else contextlib.nullcontext():
-            return pair_logps(target, batch, average)
+        with reference_policy(model, reference) as ref:
+            return pair_logps(ref, batch, average)
     finally:
         target.train(was_training)
-
-
-def make_reference(model: torch.nn.Module) -> torch.nn.Module | None:
-    """None for a LoRA (peft) policy (the reference is the adapter-disabled base), else a frozen copy."""
-    return None if hasattr(model, "disable_adapter") else frozen_copy(model)
 
 
 # ---- loss and metrics ----------------------------------------------------------------------------
@@ -229,20 +196,14 @@ class WeightedMeans:
 
 
 def read_split(store: Any, version: Any, split: str) -> list[dict[str, Any]]:
-    """Every row of one split of an ingested dataset version (`ingest(...)`'s result), as dicts."""
-    import pyarrow.parquet as pq
-
-    rows: list[dict[str, Any]] = []
-    for key in version.shard_keys(split):
-        with store.open_read(key) as f:
-            rows += pq.read_table(f).to_pylist()
-    return rows
+    """Every row of one split of an ingested dataset version (`DatasetVersion.rows`)."""
+    return version.rows(store, split)
 
 
 # ---- trainer -------------------------------------------------------------------------------------
 
 
-class PreferenceTrainer:
+class PreferenceTrainer(TrainerState):
     """DPO/MPO on preference rows: `step()` trains on one single-modality batch; `validate()` scores
     every held-out pair. With `reference=None` the reference is `make_reference(model)`."""
 

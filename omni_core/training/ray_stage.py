@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import pyarrow.parquet as pq
 import ray
 
 import omni_core
 from omni_core.config.models import RUN_KEY_EXCLUDED, RUN_KEY_EXCLUDED_EXECUTION, RayConfig, RLStage
+from omni_core.data.ingest import read_rows
 from omni_core.errors import DataError, OmniError
 from omni_core.storage import Store
 from omni_core.training.checkpoint import latest_checkpoint, stage_prefix
@@ -42,6 +42,8 @@ def run_key_payload(stage: RLStage, seed: int, dataset_version: str) -> dict[str
     (`RUN_KEY_EXCLUDED`: resources, checkpoint cadence, restarts), the seed and the dataset version."""
     spec = stage.model_dump(mode="json", exclude=set(RUN_KEY_EXCLUDED))
     spec["execution"] = {k: v for k, v in spec["execution"].items() if k not in RUN_KEY_EXCLUDED_EXECUTION}
+    if isinstance(spec.get("model"), dict):  # `model: {from: STAGE}`: the upstream weights' digest, not where they are
+        spec["model"] = {k: v for k, v in spec["model"].items() if k != "uri"}
     return {"stage": spec, "seed": seed, "dataset_version": dataset_version}
 
 
@@ -80,12 +82,7 @@ def ray_tags(cfg: RayConfig) -> dict[str, str]:
     return tags
 
 
-def read_split(store: Store, shard_keys: list[str]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for key in shard_keys:
-        with store.open_read(key) as f:
-            rows.extend(pq.read_table(f).to_pylist())
-    return rows
+read_split = read_rows  # the rows of a split's shards (`DatasetVersion.rows` reads a version's split)
 
 
 def _weights_digest(manifest: dict[str, Any]) -> str:

@@ -1,7 +1,7 @@
 """The driver of a training stage on Ray: schedules rollout, reward and training, checkpoints, and
 restarts the actors from the latest committed checkpoint when one is lost.
 
-Modes (`execution.mode`, REFERENCE.md section 5):
+Modes (`execution.mode`, docs/reference.md section 5):
 
 - `sync`: for each step k: the rollout workers generate batch k with the current policy (version k),
   the reward workers score it, the trainer computes old log-probs and updates, the new weights are
@@ -48,7 +48,6 @@ from omni_core.training.checkpoint import (
     stage_prefix,
 )
 
-SPLIT_ALGORITHMS = ("grpo", "gspo")  # rollout on rollout workers; the others step inside the trainer
 _LOST = (RayActorError, OutOfMemoryError, WorkerCrashedError, ObjectLostError)
 
 
@@ -165,7 +164,7 @@ class StageRunner:
     def _start(self) -> _Attempt:
         stage, run = self.stage, self.run_
         spec = stage.model_dump(mode="json")
-        split = stage.algorithm.name in SPLIT_ALGORITHMS
+        split = stage.record.separate_async  # rollout on rollout workers; else steps inside the trainer
         ex = stage.execution
         self._check_capacity(split)
         rows = ray.put(run.rows)
@@ -248,7 +247,7 @@ class StageRunner:
                                                          "omni.resumed_from_step": str(start)})
         if start >= total and manifest is not None:
             return {**manifest, "metrics": manifest.get("final_metrics", {})}
-        split = stage.algorithm.name in SPLIT_ALGORITHMS
+        split = stage.record.separate_async  # rollout on rollout workers; else steps inside the trainer
         worker_version = [0] * len(attempt.rollout)
         pending: dict[int, tuple[list[Any], list[Any]]] = {}
         next_batch = start
@@ -328,7 +327,7 @@ class StageRunner:
         named = self._named_workers()
         rngs = dict(zip(named, ray.get([a.rng.remote() for a in named.values()]), strict=True))
         metadata = {"run_key": run.run_key, "stage": stage.name, "seed": run.seed,
-                    "dataset_version": run.dataset_version, "model": stage.model,
+                    "dataset_version": run.dataset_version, "model": stage.model_uri,
                     "algorithm": stage.algorithm.name, "final_metrics": metrics,
                     "config_digest": run.config_digest, "mode": stage.execution.mode}
         info = {"policy_version": step, "data_cursor": {"next_step": step}, "config_digest": run.config_digest,
@@ -343,12 +342,10 @@ class StageRunner:
         run = self.run_
         if run.tracker is not None and run.mlflow_run_id:
             run.tracker.log_metrics(run.mlflow_run_id, metrics, step=step, timestamp_ms=int(time.time() * 1000))
-        from omni_core.training.stage_trainers import PROGRESS_METRICS
+        from omni_core.training.stage_trainers import progress_line
 
-        shown = [f"{label}={metrics[key]:.4g}" for key, label in PROGRESS_METRICS[self.stage.algorithm.name]
-                 if key in metrics]
         run.progress(f"[{self.stage.name}] step {step}/{self.stage.trainer.total_steps}  "
-                     + "  ".join([*shown, f"{metrics['timing_s/step']:.2f}s"]))
+                     + progress_line(self.stage, metrics))
 
     def _log_recovery(self, message: str) -> None:
         run = self.run_

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from omni_core.algorithms import sft_loss
 from omni_core.config.models import TrainerConfig
+from omni_core.errors import DataError
 from omni_core.models import sequence_logprobs
 from omni_core.training.components import (
     PromptCursor,
@@ -26,6 +27,7 @@ from omni_core.training.components import (
     left_pad,
     optimizer_step,
 )
+from omni_core.training.trainer import TrainerState
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,31 @@ def examples_from_rows(rows: Sequence[dict[str, Any]], response: Callable[[dict[
     return [SFTExample(list(row["prompt"]), response(row)) for row in rows]
 
 
+def row_response(row: dict[str, Any], pick: str = "auto") -> str:
+    """The target response of a dataset row (`omni_core.training.algorithms.sft`): `chosen` (a
+    preference pair's chosen message), `answer` (`extra_info.answer`, e.g. GSM8K's worked answer),
+    `ground_truth` (`reward_model.ground_truth`); `auto` takes the first of those the row has."""
+    found = {}
+    chosen = row.get("chosen")
+    if chosen:
+        found["chosen"] = chosen["content"] if isinstance(chosen, dict) else str(chosen)
+    answer = (row.get("extra_info") or {}).get("answer")
+    if answer:
+        found["answer"] = str(answer)
+    truth = (row.get("reward_model") or {}).get("ground_truth")
+    if truth is not None:
+        found["ground_truth"] = str(truth)
+    if pick == "auto":
+        if found:
+            return next(iter(found.values()))
+        raise DataError("sft: a row has no chosen response, extra_info.answer or reward_model.ground_truth to "
+                        "train on; give the stage a dataset whose converter writes one")
+    if pick not in found:
+        raise DataError(f"sft: algorithm.response is {pick}, but a row has no {pick} (it has: "
+                        f"{', '.join(found) or 'none'}); use response: auto or another dataset")
+    return found[pick]
+
+
 def encode_examples(tokenizer: Any, examples: Sequence[SFTExample], max_prompt_tokens: int) -> SFTBatch:
     prompts = encode_prompts(tokenizer, [{"prompt": e.prompt} for e in examples], max_prompt_tokens)
     responses = [tokenizer(e.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -62,7 +89,7 @@ def sft_step_loss(model: torch.nn.Module, batch: SFTBatch) -> Tensor:
     return sft_loss(logp, batch.loss_mask)
 
 
-class SFTTrainer:
+class SFTTrainer(TrainerState):
     """`step()` trains on the next `trainer.batch_size` examples and returns verl's SFT metrics."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExample],
@@ -72,6 +99,10 @@ class SFTTrainer:
         self.optimizer = build_optimizer(model, trainer.lr)
         self.cursor = PromptCursor(len(self.examples), seed)
         self.global_step = 0
+
+    @property
+    def text_io(self) -> Any:
+        return self.tokenizer
 
     def step(self) -> dict[str, float]:
         chosen = [self.examples[i] for i in self.cursor.batch(self.global_step, self.trainer.batch_size)]

@@ -1,7 +1,7 @@
-"""Stage kind `eval`: score an upstream rl stage's checkpoint on a dataset split with the dataset's
+"""Stage kind `eval`: score an upstream rl or sft stage's checkpoint on a dataset split with the dataset's
 reward functions.
 
-The checkpoint comes from `checkpoint_from` (default: the nearest upstream rl stage), the rows from
+The checkpoint comes from `checkpoint_from` (default: the nearest upstream rl or sft stage), the rows from
 the dataset version an ancestor ingest stage produced (else the store's LATEST). Greedy by default.
 On the stage's MLflow run: verl's `val/reward_mean` and `val-core/{data_source}/reward/mean@{n}`
 (spelled `mean_at_{n}` in MLflow, which refuses `@`, as verl's MLflow logger does), each linked to the checkpoint's logged model and the dataset version (MLflow 3 model metrics), the
@@ -22,7 +22,7 @@ from typing import Any
 
 from mlflow.entities import Metric
 
-from omni_core.config.models import EvalStage, RLStage, upstream_stage
+from omni_core.config.models import TRAINING_KINDS, EvalStage, RLStage, upstream_stage
 from omni_core.data import load_version
 from omni_core.errors import ConfigError
 from omni_core.lineage import log_dataset_version
@@ -50,7 +50,7 @@ def check_pipeline(ctx: Any) -> None:
         raise ConfigError(f"{ctx.config.name}: {problem}")
 
 
-def source_outcome(ctx: Any, field: str, kind: str) -> Any:
+def source_outcome(ctx: Any, field: str, kind: str | tuple[str, ...]) -> Any:
     """The outcome of the upstream stage of `kind` this stage takes its input from."""
     check_pipeline(ctx)
     name = upstream_stage(ctx.config, ctx.stage.name, field, getattr(ctx.stage, field), kind)
@@ -69,16 +69,27 @@ def load_checkpoint(ctx: Any, source: Any) -> tuple[Any, Any]:
     folder = checkpoint_prefix(stage_prefix(ctx.config.name, trained["run_key"], source.name), trained["global_step"])
     if not ctx.store.exists(f"{folder}/adapter_config.json"):
         return load_model(trained["checkpoint_uri"], seed=ctx.config.seed)
+    from omni_core.pipeline.stages.rl import resolved_stage
+
     rl: RLStage = ctx.config.stage(source.name)
-    model, text_io = load_model(rl.model, seed=ctx.config.seed, adapter=rl.adapter, stage=rl.adapter_stage,
+    if not isinstance(rl.model, str):  # LoRA on an upstream checkpoint: that checkpoint is the base
+        rl = resolved_stage(_SourceContext(rl, {n: ctx.upstream[n] for n in ctx.upstream}))
+    model, text_io = load_model(rl.model_uri, seed=ctx.config.seed, adapter=rl.adapter, stage=rl.adapter_stage,
                                 lora=rl.lora.model_dump() if rl.lora is not None else None)
     weights = load_safetensors(ctx.store.read_bytes(f"{folder}/adapter_model.safetensors"))
     result = set_peft_model_state_dict(model, weights)
     if getattr(result, "unexpected_keys", None):
         raise ConfigError(f"stages.{ctx.stage.name}: the LoRA checkpoint {trained['checkpoint_uri']} does not fit "
-                          f"{rl.model} with stages.{rl.name}.lora ({len(result.unexpected_keys)} unexpected keys, "
+                          f"{rl.model_uri} with stages.{rl.name}.lora ({len(result.unexpected_keys)} unexpected keys, "
                           f"e.g. {result.unexpected_keys[0]})")
     return model.eval(), text_io
+
+
+class _SourceContext:
+    """What `resolved_stage` reads of a stage context, for the trained stage an eval scores."""
+
+    def __init__(self, stage: RLStage, upstream: dict[str, Any]):
+        self.stage, self.upstream = stage, upstream
 
 
 def reward_file(stage: EvalStage) -> Path | None:
@@ -89,7 +100,7 @@ def reward_file(stage: EvalStage) -> Path | None:
 
 
 def eval_inputs(ctx: Any) -> dict[str, Any]:
-    trained = source_outcome(ctx, "checkpoint_from", "rl").outputs
+    trained = source_outcome(ctx, "checkpoint_from", TRAINING_KINDS).outputs
     key, split = ctx.stage.split()
     dv = dataset_for(ctx, key)
     inputs: dict[str, Any] = {
@@ -115,39 +126,14 @@ def log_reused(ctx: Any, record: Any) -> None:
 def score_rows(stage: EvalStage, model: Any, tokenizer: Any, rows: list[dict[str, Any]], seed: int,
                ) -> list[dict[str, Any]]:
     """One record per response (response j of row i is record i * n + j): the row, the response, its
-    score. Generation and sampling seeds as `omni_core.training.components.evaluate`."""
-    from omni_core.training.components import (
-        Sampling,
-        encode_prompt_inputs,
-        generate_rollouts,
-        score_rollouts,
-    )
+    score (`omni_core.training.components.score_records`, training's own evaluation)."""
+    from omni_core.training.components import Sampling, score_records
 
     sampling = Sampling(temperature=stage.temperature, top_p=stage.top_p, max_new_tokens=stage.max_new_tokens,
                         greedy=stage.greedy)
-    reward = stage.reward.name if stage.reward is not None else None
-    records: list[dict[str, Any]] = []
-    for start in range(0, len(rows), stage.batch_size):
-        chunk = rows[start:start + stage.batch_size]
-        prompts, media = encode_prompt_inputs(tokenizer, chunk, stage.max_prompt_tokens)
-        batch = generate_rollouts(model, tokenizer, prompts, media=media, n=stage.n, sampling=sampling,
-                                  seed=seed + start)
-        scored = score_rollouts(chunk, batch.responses, reward, stage.n)
-        records += [{"row": chunk[i // stage.n], "response": text, "score": float(s["score"])}
-                    for i, (text, s) in enumerate(zip(batch.responses, scored, strict=True))]
-    return records
-
-
-def val_metrics(records: list[dict[str, Any]], n: int) -> dict[str, float]:
-    """verl's validation names: `val/reward_mean`, `val-core/{data_source}/reward/mean@{n}`."""
-    scores = [r["score"] for r in records]
-    metrics = {"val/reward_mean": sum(scores) / max(len(scores), 1)}
-    by_source: dict[str, list[float]] = {}
-    for r in records:
-        by_source.setdefault(r["row"].get("data_source", ""), []).append(r["score"])
-    for source, values in by_source.items():
-        metrics[f"val-core/{source}/reward/mean@{n}"] = sum(values) / len(values)
-    return metrics
+    return score_records(model, tokenizer, rows, reward=stage.reward.name if stage.reward is not None else None,
+                         sampling=sampling, n=stage.n, max_prompt_tokens=stage.max_prompt_tokens,
+                         batch_size=stage.batch_size, seed=seed)
 
 
 def prompt_text(row: dict[str, Any]) -> str:
@@ -166,13 +152,13 @@ def samples_table(records: list[dict[str, Any]], rows: int, n: int) -> dict[str,
 @register_stage("eval", version="1", inputs=eval_inputs, digest=eval_digest, reuse=log_reused,
                 reads=lambda stage: [stage.split()[0]], volatile_config=frozenset({"batch_size"}))
 def run_eval(ctx: Any) -> dict[str, Any]:
-    from omni_core.training.ray_stage import read_split
+    from omni_core.training.components import val_metrics
 
     stage: EvalStage = ctx.stage
-    source = source_outcome(ctx, "checkpoint_from", "rl")
+    source = source_outcome(ctx, "checkpoint_from", TRAINING_KINDS)
     trained = source.outputs
     key, split, dv = input_dataset(ctx)
-    rows = read_split(ctx.store, dv.shard_keys(split))[:stage.max_rows]
+    rows = dv.rows(ctx.store, split)[:stage.max_rows]
     if not rows:
         raise ConfigError(f"stages.{stage.name}.data: split '{split}' of dataset '{key}' ({dv.version}) has no rows")
     model_id = trained.get("model_id")

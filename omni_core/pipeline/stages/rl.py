@@ -1,5 +1,9 @@
-"""Stage kind `rl`: GRPO/GSPO, DPO/MPO or FlowGRPO on a dataset version, in a Ray actor, ending in a
-checkpoint.
+"""Stage kinds `rl` (GRPO/GSPO, DPO/MPO, FlowGRPO) and `sft` (supervised fine-tuning): an algorithm
+(omni_core.training.algorithms) on a dataset version, on Ray, ending in a checkpoint.
+
+`model: {from: STAGE}` starts from the final checkpoint of an upstream rl or sft stage: its weights
+digest is part of this stage's cache key and run key, and the stage's MLflow run is tagged with the
+upstream checkpoint and logged model (`omni.model_from.*`), which `omni lineage` follows.
 
 Cache inputs: the seed, the dataset version it trains on (from an ancestor ingest stage, else the
 store's LATEST, fixed when the key is computed), the digests of images built upstream, and the bytes
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_core.config import RayConfig, RLStage
+from omni_core.config.models import ModelFrom
 from omni_core.data import DatasetVersion, load_version
 from omni_core.errors import ConfigError
 from omni_core.lineage import log_dataset_version
@@ -102,12 +107,30 @@ def reward_file(stage: RLStage) -> Path | None:
     return Path(path) if sep and path.endswith(".py") and Path(path).is_file() else None
 
 
+def resolved_stage(ctx: Any) -> RLStage:
+    """The stage with `model: {from: STAGE}` resolved to that stage's final checkpoint (URI and weights
+    digest); the stage itself otherwise."""
+    stage: RLStage = ctx.stage
+    if isinstance(stage.model, str):
+        return stage
+    name = stage.model.from_
+    if name not in ctx.upstream:
+        raise ConfigError(f"stages.{stage.name}.model.from: '{name}' is not an upstream stage of {stage.name}; "
+                          f"add it to {stage.name}'s after: list")
+    trained = ctx.upstream[name].outputs
+    return stage.model_copy(update={"model": ModelFrom(from_=name, weights_sha256=trained["weights_sha256"],
+                                                       uri=trained["checkpoint_uri"])})
+
+
 def rl_inputs(ctx: Any) -> dict[str, Any]:
     key, split = data_split(ctx.stage)
     dv = dataset_for(ctx, key)
     inputs: dict[str, Any] = {
         "seed": ctx.config.seed, "dataset": {"name": key, "version": dv.version, "split": split},
         "images": {t: i.get("digest") or i["tag"] for t, i in upstream_images(ctx).items()}}
+    if not isinstance(ctx.stage.model, str):
+        model = resolved_stage(ctx).model
+        inputs["model"] = {"from": model.from_, "weights_sha256": model.weights_sha256}
     if (path := reward_file(ctx.stage)) is not None:
         inputs["reward_file_sha256"] = file_sha256(path)
     return inputs
@@ -122,6 +145,18 @@ def checkpoint_committed(ctx: Any, outputs: dict[str, Any]) -> bool:
     return ctx.store.exists(f"{checkpoint_prefix(root, outputs['global_step'])}/{MANIFEST}")
 
 
+def model_from_tags(ctx: Any) -> None:
+    """Where a `model: {from: STAGE}` stage started: the upstream checkpoint and its logged model."""
+    if isinstance(ctx.stage.model, str):
+        return
+    name = ctx.stage.model.from_
+    trained = ctx.upstream[name].outputs
+    ctx.tracker.set_tags(ctx.mlflow_run_id, {
+        "omni.model_from.stage": name, "omni.model_from.checkpoint_uri": trained["checkpoint_uri"],
+        "omni.model_from.checkpoint_sha256": trained["weights_sha256"],
+        "omni.model_from.model_id": trained.get("model_id") or ""})
+
+
 def image_tags(ctx: Any) -> None:
     for target, image in upstream_images(ctx).items():  # the images this pipeline built for its stages
         ctx.tracker.set_tags(ctx.mlflow_run_id, {f"omni.image.{target}.ref": image["pinned_ref"],
@@ -130,6 +165,7 @@ def image_tags(ctx: Any) -> None:
 
 def lineage_tags(ctx: Any, outputs: dict[str, Any]) -> None:
     image_tags(ctx)
+    model_from_tags(ctx)
     ctx.tracker.set_tags(ctx.mlflow_run_id, {
         "omni.run_key": outputs["run_key"], "omni.checkpoint_uri": outputs["checkpoint_uri"],
         "omni.checkpoint_sha256": outputs["weights_sha256"], "omni.cache_hit": str(outputs["reused"]).lower()})
@@ -164,11 +200,8 @@ def save_reward_curve(ctx: Any, run_id: str | None) -> dict[str, Any] | None:
     return None
 
 
-@register_stage("rl", version="1", retries=1, retry_delay_s=5.0, inputs=rl_inputs, digest=weights,
-                verify=checkpoint_committed, reuse=log_reused, reads=lambda stage: [data_split(stage)[0]],
-                volatile_config=frozenset({"num_cpus"}))
 def run_rl(ctx: Any) -> dict[str, Any]:
-    stage: RLStage = ctx.stage
+    stage = resolved_stage(ctx)
     key, split, dv = input_dataset(ctx)
     log_training_start(ctx.tracker, ctx.mlflow_run_id, stage, ctx.config.seed, dv, split)
     if ctx.force:  # train again on purpose: without the pointer the committed checkpoint is not found
@@ -190,6 +223,7 @@ def run_rl(ctx: Any) -> dict[str, Any]:
                "weights_sha256": result.weights_sha256, "dataset_version": dv.version,
                "final_metrics": result.final_metrics, "reused": result.reused}
     image_tags(ctx)
+    model_from_tags(ctx)
     outputs["model_id"] = log_training_result(
         ctx.tracker, ctx.mlflow_run_id, pipeline=ctx.config.name, experiment=ctx.config.name, stage=stage,
         seed=ctx.config.seed, dataset=f"{key}@{dv.version}:{split}", result=result)
@@ -200,3 +234,9 @@ def run_rl(ctx: Any) -> dict[str, Any]:
     if curve:
         ctx.report["reward_curve"] = curve
     return outputs
+
+
+for _kind in ("rl", "sft"):  # one runner; the algorithm record decides what trains
+    register_stage(_kind, version="1", retries=1, retry_delay_s=5.0, inputs=rl_inputs, digest=weights,
+                   verify=checkpoint_committed, reuse=log_reused, reads=lambda stage: [data_split(stage)[0]],
+                   volatile_config=frozenset({"num_cpus"}))(run_rl)
