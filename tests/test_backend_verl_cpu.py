@@ -1,13 +1,14 @@
 """Real verl on CPU: verl 0.9.1's SFT trainer (`torchrun -m verl.trainer.sft_trainer`, the command
 `render` gives) trains a tiny Qwen3 (`tiny://lm`) on a GSM8K export, writes `global_step_N/` and
 `latest_checkpointed_iteration.txt`, logs `train/loss` into our MLflow run (a real `mlflow server`)
-through MLFLOW_TRACKING_URI / MLFLOW_RUN_ID, and, SIGKILLed after a checkpoint, resumes from it with
-resume_mode=auto. CPU support comes from tests/verl_cpu/omni_verl_cpu.py through verl's
+through MLFLOW_TRACKING_URI / MLFLOW_RUN_ID, and, SIGKILLed after a checkpoint that was mirrored to
+S3 (moto) and then deleted from the shared path, resumes from the restored copy with resume_mode=auto. CPU support comes from tests/verl_cpu/omni_verl_cpu.py through verl's
 `VERL_USE_EXTERNAL_MODULES` hook."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -21,9 +22,11 @@ from verl_env import verl_python
 
 from omni_core.backends.verl import VerlBackend, VerlTraining, render
 from omni_core.backends.verl.export import export_dataset, stage_model
+from omni_core.backends.verl.mirror import mirror_new, prepare_resume
 from omni_core.config import DatasetConfig
 from omni_core.data import ingest
 from omni_core.storage import Store
+from omni_core.training.checkpoint import latest_checkpoint
 
 CPU_SUPPORT = Path(__file__).parent / "verl_cpu"
 # what verl 0.9.1 needs besides the cpu platform module to train on CPU (omni_verl_cpu.py's docstring)
@@ -68,7 +71,7 @@ def _run(argv: list[str], env: dict[str, str], log: Path, kill_after_step: int |
 
 
 def test_sft_trains_checkpoints_logs_to_mlflow_and_resumes_after_a_kill(
-        tmp_path, mlflow_server: MlflowServer, omni_cache):  # noqa: F811
+        tmp_path, mlflow_server: MlflowServer, omni_cache, s3_bucket):  # noqa: F811
     store = Store(str(tmp_path / "store"))
     ingest(store, "gsm8k", DatasetConfig(source="fixtures://gsm8k?rows=24&seed=5", converter="gsm8k"),
            progress=lambda _: None)
@@ -98,13 +101,25 @@ def test_sft_trains_checkpoints_logs_to_mlflow_and_resumes_after_a_kill(
         assert (folder / "model_world_size_1_rank_0.pt").is_file()
         assert (folder / "optim_world_size_1_rank_0.pt").is_file() and (folder / "data_0.pt").is_file()
 
+    # mirrored to S3, then the shared path loses the run (a new cluster); the retry restores it first
+    mirrors = Store(f"s3://{s3_bucket}/omni")
+    assert mirror_new(run_dir, mirrors, "runs/gsm8k-sft/k0/sft") == list(range(1, killed_at + 1))
+    shutil.rmtree(run_dir)
+    assert prepare_resume(run_dir, mirrors, "runs/gsm8k-sft/k0/sft") == killed_at
+
     resumed_from = time.time() * 1000
     started = time.monotonic()
     code, _ = _run(command.argv, env, log)
     second_s = time.monotonic() - started
     assert code == 0, log.read_text()[-3000:]
     assert latest.read_text().strip() == str(STEPS)
-    assert sorted(p.name for p in run_dir.glob("global_step_*")) == [f"global_step_{s}" for s in range(1, STEPS + 1)]
+    assert sorted(p.name for p in run_dir.glob("global_step_*")) == [f"global_step_{s}" for s in range(killed_at, STEPS + 1)]
+
+    assert mirror_new(run_dir, mirrors, "runs/gsm8k-sft/k0/sft") == list(range(killed_at + 1, STEPS + 1))
+    manifest = latest_checkpoint(mirrors, "runs/gsm8k-sft/k0/sft")
+    assert manifest["global_step"] == STEPS
+    assert {"model_world_size_1_rank_0.pt", "optim_world_size_1_rank_0.pt", "data_0.pt"} <= {
+        f["path"] for f in manifest["files"]}
 
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert {m.step for m in history} == set(range(1, STEPS + 1))
