@@ -33,7 +33,7 @@ CPU_SUPPORT = Path(__file__).parent / "verl_cpu"
 CPU_OVERRIDES = ["engine.strategy=fsdp2", "+model.override_config.attn_implementation=sdpa", "trainer.device=cpu",
                  "data.num_workers=0"]
 CPU_ENV = {"VERL_USE_EXTERNAL_MODULES": "omni_verl_cpu", "VERL_ENGINE_DEVICE": "cuda", "PYTHONPATH": str(CPU_SUPPORT),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HYDRA_FULL_ERROR": "1"}
 STEPS = 3
 JOB_TIMEOUT_S = 300
 
