@@ -54,13 +54,15 @@ def ray_jobs():
 
     temp = tempfile.mkdtemp(prefix="rv", dir="/tmp")  # short: Ray's socket paths live under it
     dashboard = _free_port()
+    head_log = open(Path(temp) / "head.log", "wb")  # noqa: SIM115 - closed with the head below
     head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
                              f"--port={_free_port()}", "--num-cpus=2", "--node-ip-address=127.0.0.1",
                              "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--include-dashboard=true",
-                             f"--temp-dir={temp}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             f"--dashboard-agent-listen-port={_free_port()}",  # not 52365: other heads use it
+                             f"--temp-dir={temp}"], stdout=head_log, stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 240  # a cold start on a loaded 2-core machine
         while True:  # up once it takes a job: the dashboard answers before its job agent is ready
             try:
                 client = JobSubmissionClient(f"http://127.0.0.1:{dashboard}")
@@ -68,7 +70,8 @@ def ray_jobs():
                 break
             except Exception:
                 if time.monotonic() > deadline or head.poll() is not None:
-                    pytest.fail("the Ray job server did not start")
+                    pytest.fail(f"the Ray job server did not start (head exit {head.poll()}): "
+                                f"{(Path(temp) / 'head.log').read_text()[-2000:]}")
                 time.sleep(1)
         yield client
     finally:
@@ -80,6 +83,7 @@ def ray_jobs():
         for proc in psutil.process_iter(["cmdline"]):
             if any(temp in part for part in proc.info["cmdline"] or ()):
                 proc.kill()
+        head_log.close()
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -114,6 +118,7 @@ def test_a_verl_job_runs_on_ray_with_progress_mirroring_and_mlflow(ray_jobs, tmp
     assert status == "SUCCEEDED", log[-3000:]
     assert lines == ["step 1 of 2", "step 2 of 2"]
     assert "Saving checkpoint to" in log
+    assert list(run_dir.glob("hydra/*/.hydra/config.yaml"))  # Hydra's run folder beside the checkpoints
     assert checkpoint_steps(store, root) == {1: True, 2: True}
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2]
     info = ray_jobs.get_job_info(job.submission_id)

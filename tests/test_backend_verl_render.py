@@ -49,6 +49,7 @@ def test_sft_command_is_torchrun_with_absolute_run_dir_and_user_overrides_last(t
                                 "--nnodes=1", "--nproc_per_node=4", "-m", "verl.trainer.sft_trainer"]
     assert f"trainer.default_local_dir={tmp_path}/shared/runs/pipe/abc123/sft" in command.overrides
     assert "trainer.logger=[console,mlflow]" in command.overrides
+    assert f"hydra.run.dir='{run_dir}/hydra/${{now:%Y-%m-%d_%H-%M-%S}}'" in command.overrides
     assert "trainer.max_ckpt_to_keep=3" in command.overrides
     assert "model.target_modules=[q_proj,v_proj]" in command.overrides
     assert command.overrides[-2:] == ["trainer.save_freq=7", "+model.override_config.attn_implementation=sdpa"]

@@ -76,6 +76,9 @@ def render(training: VerlTraining, backend: VerlBackend, default_local_dir: str 
         module, config, argv0 = PPO_MODULE, PPO_CONFIG, [backend.python, "-m", PPO_MODULE]
     else:
         raise ConfigError(f"task {training.task!r}: the verl backend runs sft, grpo or gspo")
+    # Hydra's own run folder (the job's log and composed config) next to the checkpoints, not in the
+    # job's working directory (on a Ray cluster: wherever the job server runs entrypoints)
+    ours.append(f"hydra.run.dir={hydra_value(f'{local_dir}/hydra/${{now:%Y-%m-%d_%H-%M-%S}}')}")
     overrides = ours + list(backend.overrides)
     return VerlCommand(training.task, module, config, argv0 + overrides, overrides, dict(backend.env),
                        str(local_dir))
