@@ -1,0 +1,221 @@
+"""Inputs on the shared path: a committed dataset version exported in the layout verl reads, and a
+model folder every node can load.
+
+    shared_dir/datasets/{name}/{version}/{layout}/{split}-{n:05d}.parquet + _manifest.json (last)
+    shared_dir/models/{s3|tiny}/{digest}/   (a save_pretrained folder)
+
+Layouts: `rl` is verl's RL Parquet, which our store already holds (the shards are copied byte for
+byte); `sft` is what verl's SFT trainer reads (`MultiTurnSFTDataset`, `data.messages_key=messages`):
+`messages` = the row's prompt + one assistant message holding the response (for GSM8K the worked
+answer, `extra_info.answer`), with `data_source` and `extra_info` kept.
+
+Content-addressed: the manifest records the source version's manifest digest, the layout, its
+options and the export code's version; an export whose manifest matches (and whose files are all
+there at their recorded sizes) is reused. A new export is written into a temporary sibling folder
+and renamed into place, so a reader never sees a half-written one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from omni_core.data.ingest import MANIFEST, load_version
+from omni_core.errors import DataError, ModelError
+from omni_core.storage import Store
+
+EXPORT_VERSION = "1"  # bump when the exported bytes change for the same inputs
+Layout = Literal["rl", "sft"]
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+
+
+@dataclass(frozen=True)
+class ExportedDataset:
+    folder: Path
+    files: dict[str, list[str]]  # split -> absolute Parquet paths, in shard order
+    manifest: dict[str, Any]
+    reused: bool
+
+
+def export_dataset(store: Store, name: str, version: str | None, shared_dir: str | Path, layout: Layout = "rl",
+                   *, response_field: str = "extra_info.answer") -> ExportedDataset:
+    """Export committed version `version` (None: LATEST) of dataset `name` for verl; reused when present."""
+    if layout not in ("rl", "sft"):
+        raise DataError(f"export layout {layout!r}: use rl (verl RL Parquet) or sft (messages)")
+    dv = load_version(store, name, version)
+    source_digest = hashlib.sha256(store.read_bytes(f"datasets/{name}/{dv.version}/{MANIFEST}")).hexdigest()
+    identity = {"dataset": name, "version": dv.version, "layout": layout, "export_version": EXPORT_VERSION,
+                "source_manifest_sha256": source_digest, "source_uri": dv.uri,
+                "options": {"response_field": response_field} if layout == "sft" else {}}
+    folder = Path(shared_dir) / "datasets" / name / dv.version / layout
+    existing = _matching(folder, identity)
+    if existing is not None:
+        return ExportedDataset(folder, _files(folder, existing), existing, True)
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{layout}.tmp-", dir=folder.parent))
+    try:
+        entries = []
+        for split in sorted(dv.manifest["splits"]):
+            for index, key in enumerate(dv.shard_keys(split)):
+                rel = f"{split}-{index:05d}.parquet"
+                if layout == "rl":
+                    _copy(store, key, tmp / rel)
+                else:
+                    _write_sft(store, key, tmp / rel, response_field)
+                size, digest = _digest(tmp / rel)
+                entries.append({"path": rel, "split": split, "bytes": size, "sha256": digest,
+                                "rows": pq.ParquetFile(tmp / rel).metadata.num_rows})
+        manifest = {**identity, "files": entries}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, sort_keys=True, indent=2) + "\n")  # last
+        tmp.chmod(0o755)
+        _replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ExportedDataset(folder, _files(folder, manifest), manifest, False)
+
+
+def _matching(folder: Path, identity: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if {k: manifest.get(k) for k in identity} != identity:
+        return None
+    for entry in manifest.get("files", []):
+        path = folder / entry["path"]
+        if not path.is_file() or path.stat().st_size != entry["bytes"]:
+            return None
+    return manifest
+
+
+def _files(folder: Path, manifest: dict[str, Any]) -> dict[str, list[str]]:
+    files: dict[str, list[str]] = {}
+    for entry in manifest["files"]:
+        files.setdefault(entry["split"], []).append(str(folder / entry["path"]))
+    return files
+
+
+def _replace(tmp: Path, folder: Path) -> None:
+    """Rename `tmp` onto `folder`; an outdated export there is moved aside first and removed."""
+    old = None
+    if folder.exists():
+        old = folder.with_name(f".{folder.name}.old-{os.getpid()}-{os.urandom(4).hex()}")
+        os.rename(folder, old)
+    try:
+        os.rename(tmp, folder)
+    except OSError:
+        if not (folder / MANIFEST).is_file():  # not a concurrent exporter that got there first
+            raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _copy(store: Store, key: str, target: Path) -> None:
+    with store.open_read(key) as src, open(target, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+
+
+def _write_sft(store: Store, key: str, target: Path, response_field: str) -> None:
+    with store.open_read(key) as f:
+        table = pq.read_table(f)
+    responses = _column(table, response_field, key)
+    prompts = _column(table, "prompt", key)
+    messages = []
+    for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        if not isinstance(response, str) or not response:
+            raise DataError(f"{store.uri(key)} row {row}: no response in {response_field!r} for the sft layout; "
+                            "choose the column that holds the answer (response_field)")
+        messages.append([*prompt, {"role": "assistant", "content": response}])
+    columns = {"messages": pa.array(messages, type=pa.list_(MESSAGE))}
+    for kept in ("data_source", "extra_info"):
+        if kept in table.column_names:
+            columns[kept] = table.column(kept)
+    pq.write_table(pa.table(columns), target)
+
+
+def _column(table: pa.Table, dotted: str, key: str) -> list[Any]:
+    head, *rest = dotted.split(".")
+    if head not in table.column_names:
+        raise DataError(f"{key}: no column {head!r} (columns: {', '.join(table.column_names)}); "
+                        "the sft layout needs the prompt and a response column")
+    column: Any = table.column(head).combine_chunks()
+    for name in rest:
+        if not pa.types.is_struct(column.type) or column.type.get_field_index(name) < 0:
+            raise DataError(f"{key}: column {dotted!r} does not exist; name a column or struct field")
+        column = column.field(name)
+    return column.to_pylist()
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    from omni_core.storage import file_digest
+
+    return file_digest(path)
+
+
+# ---- models ------------------------------------------------------------------------------------
+
+
+def stage_model(uri: str, shared_dir: str | Path, *, seed: int = 0) -> str:
+    """What `model.path` gets: `s3://` downloaded once to shared_dir/models/s3/{digest}/, `tiny://`
+    copied to shared_dir/models/tiny/{name}/ (the nodes lack our cache); a local folder or a hub id as is."""
+    root = Path(shared_dir) / "models"
+    if uri.startswith("s3://"):
+        store = Store(uri)
+        keys = store.list()
+        if not keys:
+            raise ModelError(f"model {uri!r}: no objects under it; point it at a save_pretrained folder")
+        if "config.json" not in keys:
+            raise ModelError(f"model {uri!r} holds no config.json at its top; point it at a save_pretrained folder")
+        manifest = store.read_text(MANIFEST) if MANIFEST in keys else ""
+        digest = hashlib.sha256(json.dumps([uri, keys, manifest]).encode()).hexdigest()[:16]
+        final = root / "s3" / digest
+        if not (final / "config.json").is_file():
+            _materialise(final, lambda tmp: _download(store, keys, tmp))
+        return str(final)
+    if uri.startswith("tiny://"):
+        from omni_core.models.tiny import tiny_model_dir
+
+        source = tiny_model_dir(uri.removeprefix("tiny://"), seed=seed)
+        final = root / "tiny" / source.name
+        if not final.is_dir():
+            _materialise(final, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
+        return str(final)
+    local = Path(uri.removeprefix("file://")).expanduser()
+    if uri.startswith(("/", "./", "../", "~", "file://")):
+        if not (local / "config.json").is_file():
+            raise ModelError(f"model {uri!r}: {local} is not a save_pretrained folder (no config.json)")
+        return str(local.resolve())
+    return uri  # a hub id: verl's nodes download it
+
+
+def _download(store: Store, keys: list[str], tmp: Path) -> None:
+    for key in keys:
+        target = tmp / key
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with store.open_read(key) as src, open(target, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+
+
+def _materialise(final: Path, fill: Any) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        fill(tmp)
+        tmp.chmod(0o755)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,98 @@
+"""What a verl stage is told: the backend options from the pipeline file (`VerlBackend`) and the
+training itself in plain values (`VerlTraining`), which the `sft` / `rl` stage fills from its own
+options. `render.py` turns both into verl's command line.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Task = Literal["sft", "grpo", "gspo"]
+
+
+class VerlBackend(BaseModel):
+    """`backend: {name: verl, ...}` on an `sft` or `rl` stage."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Literal["verl"] = "verl"
+    python: str = Field("python3", description="The interpreter that has verl on the cluster (the CUDA image's).")
+    shared_dir: str = Field(description="A path every Ray node sees (NFS, Lustre, a PVC; locally any folder): "
+                                        "datasets, models and verl's checkpoints are staged under it.")
+    nnodes: int = Field(1, ge=1)
+    n_gpus_per_node: int = Field(1, ge=1)
+    rollout_engine: Literal["vllm", "sglang"] = Field("vllm", description="main_ppo's rollout engine.")
+    overrides: list[str] = Field(default_factory=list, description="Hydra overrides appended verbatim, last.")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables of the job "
+                                "(never secrets: those are forwarded by name from the driver).")
+
+    @field_validator("shared_dir")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("backend.shared_dir is empty; give a path every Ray node sees")
+        return os.path.abspath(os.path.expanduser(value))
+
+    @field_validator("overrides")
+    @classmethod
+    def _overrides(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if "=" not in item and not item.startswith("~"):
+                raise ValueError(f"backend.overrides: {item!r} is not a Hydra override; write key=value "
+                                 "(+key=value adds a key, ~key deletes one)")
+        return value
+
+    def run_dir(self, pipeline: str, run_key: str, stage: str) -> Path:
+        """`trainer.default_local_dir`: shared_dir/runs/{pipeline}/{run_key}/{stage} (absolute)."""
+        return Path(self.shared_dir) / "runs" / pipeline / run_key / stage
+
+
+@dataclass(frozen=True)
+class VerlTraining:
+    """One training in plain values. Fields left None are options the stage did not set: an RL-only
+    one set on an `sft` task is refused by the renderer, never dropped."""
+
+    task: Task
+    model: str  # a folder (or hub id) the job's nodes can read: see export.stage_model
+    train_files: list[str]
+    total_steps: int
+    batch_size: int  # sft: sequences per step; grpo/gspo: prompts per step (data.train_batch_size)
+    lr: float
+    val_files: list[str] = field(default_factory=list)
+    micro_batch_size_per_gpu: int = 1
+    max_grad_norm: float = 1.0
+    max_length: int = 1024  # sft: tokens of prompt + response
+    max_prompt_tokens: int = 512  # grpo/gspo
+    seed: int = 0
+    project_name: str = "omni"
+    experiment_name: str = "verl"
+    # checkpoints
+    save_freq: int = 0  # 0: only at the end (verl: -1)
+    max_to_keep: int | None = None
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    resume_from_path: str | None = None
+    # LoRA (None: full fine-tune)
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    lora_targets: list[str] | str | None = None
+    # RL only (grpo / gspo)
+    ppo_mini_batch_size: int | None = None
+    ppo_epochs: int | None = None
+    rollout_n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_new_tokens: int | None = None
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    loss_agg_mode: str | None = None
+    kl_beta: float | None = None
+    adv_scale: Literal["group", "batch", "none"] | None = None
+
+    RL_ONLY = ("ppo_mini_batch_size", "ppo_epochs", "rollout_n", "temperature", "top_p", "max_new_tokens",
+               "clip_ratio_low", "clip_ratio_high", "loss_agg_mode", "kl_beta", "adv_scale")

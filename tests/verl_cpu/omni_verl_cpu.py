@@ -1,0 +1,149 @@
+"""Runs verl 0.9.1's SFT trainer on CPU, for the tests only (no GPU on the CI machine).
+
+Loaded by verl itself through its extension hook: `VERL_USE_EXTERNAL_MODULES=omni_verl_cpu` with this
+folder on PYTHONPATH (verl imports the module when `import verl` runs). verl 0.9.1 has no CPU
+platform (`utils/device.py` delegates to `verl.plugin.platform`, whose registry knows cuda, npu and
+rocm, and falls back to cuda), so this module:
+
+- registers a `cpu` platform in `verl.plugin.platform` and makes it the current one: gloo, one
+  "device", `torch.cpu` as the device module, with no-op stand-ins for the `torch.cuda` calls verl
+  makes that `torch.cpu` lacks (memory statistics, caches, seeds);
+- replaces verl's process-group set-up, which builds the backend string `cpu:gloo,cpu:gloo` (torch
+  rejects a device listed twice), with a plain gloo group.
+
+The job also needs (the tests pass them): `VERL_ENGINE_DEVICE=cuda` (verl registers its FSDP engine
+for cuda and npu only; the engine itself then runs on the platform's device), `engine.strategy=fsdp2`
+(fsdp1 needs an accelerator), `+model.override_config.attn_implementation=sdpa` (the default is
+flash_attention_2) and `trainer.device=cpu`.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+import torch.distributed
+import verl.utils.distributed as verl_distributed
+from verl.plugin.platform.platform_base import PlatformBase
+from verl.plugin.platform.platform_manager import PlatformRegistry, set_platform
+
+
+def _noop(*_args, **_kwargs):
+    return None
+
+
+def _zero(*_args, **_kwargs):
+    return 0
+
+
+class _CPUDeviceModule(SimpleNamespace):
+    """`torch.cpu` plus the `torch.cuda` functions verl calls on its device module."""
+
+    def __getattr__(self, name):
+        if hasattr(torch.cpu, name):
+            return getattr(torch.cpu, name)
+        if name.startswith(("memory_", "max_memory", "reset_", "mem_get_info")):
+            return (lambda *a, **k: (0, 0)) if name == "mem_get_info" else _zero
+        if name in ("manual_seed", "manual_seed_all"):
+            return torch.manual_seed
+        if name in ("get_rng_state", "set_rng_state"):
+            return getattr(torch, name)
+        if name == "get_device_name":
+            return lambda *a, **k: "CPU"  # verl's flops counter looks the name up in its table
+        return _noop
+
+
+@PlatformRegistry.register(platform="cpu")
+class PlatformCPU(PlatformBase):
+    device_name = "cpu"
+    vendor_name = "cpu"
+
+    @property
+    def device_module(self):
+        return _CPUDeviceModule()
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_platform_available(self, use_smi_check=False) -> bool:
+        return True
+
+    def current_device(self) -> str:
+        return "cpu"  # verl passes it to .to(device=...): an index would mean an accelerator
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index: int) -> None:
+        return None
+
+    def synchronize(self, device_index=None) -> None:
+        return None
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def get_device_capability(self, device_index: int = 0):
+        return None, None
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        return "CUDA_VISIBLE_DEVICES"
+
+    def ray_resource_name(self) -> str:
+        return "CPU"
+
+    def ray_resource_options(self, num_gpus: float):
+        return {"num_cpus": num_gpus}
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    @contextmanager
+    def nvtx_range(self, msg: str):
+        yield
+
+    def profiler_start(self) -> None:
+        return None
+
+    def profiler_stop(self) -> None:
+        return None
+
+    def cudart(self):
+        return None
+
+
+def initialize_global_process_group(timeout_second=36000):
+    torch.distributed.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_second),
+                                         init_method=os.environ.get("DIST_INIT_METHOD", None))
+    return int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def initialize_global_process_group_ray(timeout_second=None, backend=None):
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend="gloo", rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
+            timeout=timedelta(seconds=timeout_second) if timeout_second is not None else None,
+            init_method=os.environ.get("DIST_INIT_METHOD", None))
+
+
+set_platform(PlatformCPU())
+verl_distributed.initialize_global_process_group = initialize_global_process_group
+verl_distributed.initialize_global_process_group_ray = initialize_global_process_group_ray
