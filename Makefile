@@ -29,7 +29,14 @@ test: setup
 lint: setup
 	$(BIN)/ruff check .
 
-bench: setup
+# The benchmarks' own dependencies (pyproject's `bench` extra), on top of setup's.
+BENCH_STAMP := $(VENV)/.installed-bench
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet "torch==2.13.0" -e ".[dev,bench]" 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
+	@touch $(BENCH_STAMP)
+
+bench: setup $(BENCH_STAMP)
 	@# the scripts only: bench/learning_{preference,flow}.py are modules that bench/learning.py runs
 	@for script in $$(grep -l '^if __name__ == "__main__":' bench/*.py); do echo "== $$script"; $(BIN)/python $$script --quick || exit 1; done
 

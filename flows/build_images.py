@@ -12,12 +12,13 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from omni_core.images import ImageBuildError, load_spec, spec_from_dict
+from omni_core.paths import DEFAULT_STORE
 from tasks.images import build_image
 
 
 @flow(name="build_images", log_prints=True)
 def build_images(targets: list[str] | None = None, specs: list[dict[str, Any]] | None = None, push: bool = False,
-                 registry: str | None = None, store: str = ".omni/store", builder: str | None = None,
+                 registry: str | None = None, store: str = DEFAULT_STORE, builder: str | None = None,
                  build_args: dict[str, str] | None = None, platforms: list[str] | None = None,
                  verify_tls: bool | None = None) -> dict[str, dict]:
     chosen = [load_spec(t) for t in targets or []] + [spec_from_dict(s) for s in specs or []]

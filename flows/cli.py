@@ -5,7 +5,6 @@ User-caused errors (OmniError) print one line and exit 2; `--debug` shows the tr
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -19,6 +18,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from flows.cli_options import state
+from flows.prefect_env import quiet_prefect_tracebacks, use_embedded_prefect
 from omni_core.config import ConfigValidationError, PipelineConfig, load_pipeline
 from omni_core.errors import OmniError
 
@@ -26,10 +27,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Reproducible multimodal RL post-training pipelines.")
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-_state = {"debug": False}
-
-OMNI_HOME = Path(".omni")
-
 
 def _mount_subcommands() -> None:
     from flows.cli_datasets import datasets_app, ingest_command
@@ -51,48 +48,7 @@ _mount_subcommands()
 
 @app.callback()
 def _options(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False) -> None:
-    _state["debug"] = debug
-
-
-def use_embedded_prefect() -> str | None:
-    """Without PREFECT_API_URL, Prefect runs its API in-process; keep its database under .omni/."""
-    if os.environ.get("PREFECT_API_URL"):
-        return None
-    home = os.environ.setdefault("PREFECT_HOME", str((OMNI_HOME / "prefect").resolve()))
-    Path(home).mkdir(parents=True, exist_ok=True)  # Prefect does not create it: its SQLite open would fail
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # The first start migrates a fresh database; on a busy 2-core machine that can exceed the 20 s default.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    return home
-
-
-class _WithoutTracebacks(logging.Formatter):
-    """Wraps a console formatter so log records print without their traceback (the CLI prints one line)."""
-
-    def __init__(self, inner: logging.Formatter | None):
-        super().__init__()
-        self.inner = inner or logging.Formatter()
-
-    def format(self, record: logging.LogRecord) -> str:
-        saved = record.exc_info, record.exc_text, record.stack_info
-        record.exc_info = record.exc_text = record.stack_info = None
-        try:
-            return self.inner.format(record)
-        finally:
-            record.exc_info, record.exc_text, record.stack_info = saved
-
-
-def quiet_prefect_tracebacks() -> None:
-    """Prefect logs a failed run's traceback to the console; keep it for its API/UI, drop it here unless --debug."""
-    if _state["debug"]:
-        return
-    from prefect.logging.handlers import PrefectConsoleHandler
-
-    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)] + [logging.getLogger()]
-    for logger in loggers:
-        for handler in getattr(logger, "handlers", []):
-            if isinstance(handler, PrefectConsoleHandler) and not isinstance(handler.formatter, _WithoutTracebacks):
-                handler.setFormatter(_WithoutTracebacks(handler.formatter))
+    state.debug = debug
 
 
 @app.command()
@@ -218,17 +174,17 @@ def main() -> None:
     try:
         app()
     except OmniError as exc:
-        if _state["debug"]:
+        if state.debug:
             traceback.print_exc()
-        err_console.print(f"[red]error:[/red] {exc}")
+        err_console.print(f"[red]error:[/red] {escape(str(exc))}")
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("[red]interrupted[/red]")
         sys.exit(130)
     except Exception as exc:
-        if _state["debug"]:
+        if state.debug:
             traceback.print_exc()
-        err_console.print(f"[red]unexpected error:[/red] {exc.__class__.__name__}: {exc} "
+        err_console.print(f"[red]unexpected error:[/red] {exc.__class__.__name__}: {escape(str(exc))} "
                           "(rerun with --debug for the traceback)")
         sys.exit(1)
 

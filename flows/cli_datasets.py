@@ -11,24 +11,24 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from flows.cli_options import DEFAULT_STORE, DEFAULT_TRACKING_URI, StoreOption, TrackingUriOption
+
 console = Console(highlight=False, soft_wrap=True)
 datasets_app = typer.Typer(no_args_is_help=True, help="Dataset versions in the store.")
-
-StoreOption = Annotated[str, typer.Option("--store", help="Store root: a path or s3://bucket/prefix.")]
 
 
 def ingest_command(
     name: Annotated[str, typer.Argument(help="Dataset name in the store (and default converter).")],
     source: Annotated[str, typer.Option("--source", help="fixtures://NAME?rows=N, a folder, s3://... or hf://...")],
     converter: Annotated[str | None, typer.Option("--converter", help="Converter (default: NAME).")] = None,
-    store: StoreOption = ".omni/store",
-    tracking_uri: Annotated[str, typer.Option("--tracking-uri")] = "sqlite:///.omni/mlflow.db",
+    store: StoreOption = DEFAULT_STORE,
+    tracking_uri: TrackingUriOption = DEFAULT_TRACKING_URI,
     workers: Annotated[int, typer.Option("--workers", min=1, help="Conversion processes.")] = 1,
     max_quarantine_fraction: Annotated[float, typer.Option("--max-quarantine-fraction", min=0, max=1)] = 0.05,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Ingest a raw dataset into a versioned Parquet dataset (a Prefect flow; logged to MLflow)."""
-    from flows.cli import quiet_prefect_tracebacks, use_embedded_prefect
+    from flows.prefect_env import quiet_prefect_tracebacks, use_embedded_prefect
     from omni_core.storage import Store
 
     Store(store).check_writable()
@@ -51,7 +51,7 @@ def ingest_command(
 
 
 @datasets_app.command("list")
-def list_command(store: StoreOption = ".omni/store") -> None:
+def list_command(store: StoreOption = DEFAULT_STORE) -> None:
     """Every dataset, its committed versions and their counts (* = LATEST)."""
     from omni_core.data import load_version
     from omni_core.data.ingest import list_versions
@@ -94,7 +94,7 @@ def describe(value: Any, limit: int = 160) -> str:
 @datasets_app.command("show")
 def show_command(
     ref: Annotated[str, typer.Argument(help="NAME or NAME@VERSION")],
-    store: StoreOption = ".omni/store",
+    store: StoreOption = DEFAULT_STORE,
     rows: Annotated[int, typer.Option("--rows", min=0, help="Sample rows to decode.")] = 2,
     split: Annotated[str | None, typer.Option("--split", help="Split to sample (default: the first).")] = None,
 ) -> None:

@@ -136,10 +136,10 @@ def status_command(
     """The stage table of the latest (or a given) pipeline run, from Prefect's API."""
     from dataclasses import asdict
 
-    from flows import cli as omni_cli
+    from flows.prefect_env import use_embedded_prefect
     from flows.run_status import RunNotFoundError, run_status
 
-    home = omni_cli.use_embedded_prefect()  # without PREFECT_API_URL: the runs `omni run` recorded under .omni/
+    home = use_embedded_prefect()  # without PREFECT_API_URL: the runs `omni run` recorded under .omni/
     if home and not Path(home).is_dir():
         raise RunNotFoundError(f"no pipeline runs recorded in {home}: PREFECT_API_URL is not set, so omni status "
                                "reads what `omni run` recorded in this directory; run it where you ran `omni run`, "

@@ -12,12 +12,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from flows.cli_options import DEFAULT_STORE, StoreOption
+
 console = Console(highlight=False, soft_wrap=True)
 image_app = typer.Typer(no_args_is_help=True, help="Container images: build, content tags, build records.")
 
 TargetArg = Annotated[str, typer.Argument(help="cuda, ascend, or an image spec file (.yaml/.json).")]
-StoreOption = Annotated[str, typer.Option("--store", help="Store root for build records: a path or s3://...")]
-RegistryOption = Annotated[str | None, typer.Option("--registry", help="HOST[:PORT][/NAMESPACE] (default $OMNI_IMAGE_REGISTRY).")]
+RegistryOption = Annotated[str | None, typer.Option("--registry", help=r"HOST\[:PORT]\[/NAMESPACE] (default $OMNI_IMAGE_REGISTRY).")]  # \[ : not rich markup
 BuildArgOption = Annotated[list[str] | None, typer.Option("--build-arg", help="NAME=VALUE; changes the tag.")]
 PlatformOption = Annotated[list[str] | None, typer.Option("--platform", help="os/arch (repeatable); changes the tag.")]
 
@@ -44,7 +45,7 @@ def build_command(
     target: TargetArg,
     push: Annotated[bool, typer.Option("--push", help="Push to the registry (needs --registry).")] = False,
     registry: RegistryOption = None,
-    store: StoreOption = ".omni/store",
+    store: StoreOption = DEFAULT_STORE,
     builder: Annotated[str | None, typer.Option("--builder", help="auto, buildah or docker.")] = None,
     build_arg: BuildArgOption = None,
     platform: PlatformOption = None,
@@ -53,7 +54,7 @@ def build_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the build record as one JSON object.")] = False,
 ) -> None:
     """Build (and push) an image unless its content tag already exists (a Prefect flow with retries)."""
-    from flows import cli as omni_cli
+    from flows.prefect_env import quiet_prefect_tracebacks, use_embedded_prefect
     from omni_core.images import load_spec
     from omni_core.images.registry import default_registry
     from omni_core.storage import Store
@@ -61,8 +62,8 @@ def build_command(
     args = _build_args(build_arg)
     load_spec(_target(target)).with_overrides(args, platform)  # a bad target or spec fails before Prefect starts
     Store(store).check_writable()
-    omni_cli.use_embedded_prefect()
-    omni_cli.quiet_prefect_tracebacks()
+    use_embedded_prefect()
+    quiet_prefect_tracebacks()
     from flows.build_images import build_images
 
     results = build_images(targets=[_target(target)], push=push, registry=registry or default_registry(),
@@ -90,7 +91,7 @@ def tag_command(target: TargetArg, registry: RegistryOption = None, build_arg: B
 
 
 @image_app.command("ls")
-def ls_command(store: StoreOption = ".omni/store",
+def ls_command(store: StoreOption = DEFAULT_STORE,
                target: Annotated[str | None, typer.Option("--target", help="Only this target.")] = None,
                as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False) -> None:
     """Build records in the store, oldest first."""

@@ -17,10 +17,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-console = Console(highlight=False, soft_wrap=True)
+from flows.cli_options import DEFAULT_STORE, DEFAULT_TRACKING_URI
 
-DEFAULT_TRACKING_URI = "sqlite:///.omni/mlflow.db"
-DEFAULT_STORE = ".omni/store"
+console = Console(highlight=False, soft_wrap=True)
 
 
 def register_commands(app: typer.Typer) -> None:
@@ -53,7 +52,9 @@ def lineage_command(
     target: Annotated[str | None, typer.Argument(
         help="models:/NAME@ALIAS, models:/NAME/VERSION, models:/NAME, or an MLflow run id (a register, eval or "
              "training stage run, or a pipeline run). Default: the newest registered model version.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (every raw file included).")] = False,
+    files: Annotated[bool, typer.Option("--files", help="List every raw source file and its sha256 (by default "
+                                                      "one line: their count and the sha256 of the list).")] = False,
     pipeline: Annotated[Path | None, typer.Option(
         "--pipeline", "-p", help="Take the tracking URI and store from this pipeline file.")] = None,
     tracking_uri: Annotated[str | None, typer.Option(
@@ -63,7 +64,12 @@ def lineage_command(
                         "the store each URI recorded in MLflow names is read too).")] = None,
 ) -> None:
     """Show where a model came from: model version -> eval run -> training run(s) -> checkpoint ->
-    dataset versions -> raw source files, with every digest and how to re-check it."""
+    dataset versions -> raw source files, with every digest and how to re-check it.
+
+    A dataset version's raw files print as one line, `raw files N, list sha256 D`: D is the sha256 of
+    the lines `PATH<TAB>SHA256<LF>` of its manifest's raw files, sorted (LC_ALL=C sort), so `jq -r
+    '.raw_files[] | "\\(.path)\\t\\(.sha256)"' _manifest.json | LC_ALL=C sort | sha256sum` gives it too.
+    --files lists every file; --json always does."""
     from omni_core.lineage.chain import format_lineage, lineage
 
     uri, store_root = settings(pipeline, tracking_uri, store)
@@ -71,5 +77,5 @@ def lineage_command(
     if as_json:
         print(json.dumps(chain, sort_keys=True))
         return
-    for line in format_lineage(chain):  # with a `re-check: omni verify URI` line per checkpoint and dataset
+    for line in format_lineage(chain, files=files):  # with a `re-check: omni verify URI` line per checkpoint and dataset
         console.print(escape(line))

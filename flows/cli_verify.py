@@ -15,10 +15,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from flows.cli_options import DEFAULT_STORE
+
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
-DEFAULT_STORE = ".omni/store"
 _STYLE = {"ok": "green", "MISMATCH": "red", "MISSING": "red", "INVALID": "red"}
 
 
@@ -27,7 +28,7 @@ def register_commands(app: typer.Typer) -> None:
 
 
 def store_root(store: str | None, pipeline: Path | None) -> str:
-    """--store, else the `store:` of --pipeline, else .omni/store (as `omni datasets list`)."""
+    """--store, else the `store:` of --pipeline, else DEFAULT_STORE (as `omni datasets list`)."""
     from omni_core.errors import ConfigError
 
     if store and pipeline:

@@ -9,6 +9,7 @@ from prefect.runtime import flow_run
 
 from omni_core.config import DatasetConfig, load_pipeline
 from omni_core.errors import ConfigError
+from omni_core.paths import DEFAULT_STORE, DEFAULT_TRACKING_URI
 from tasks.ingest import ingest_dataset
 
 
@@ -17,8 +18,8 @@ def ingest(
     name: str | None = None,
     source: str | None = None,
     converter: str | None = None,
-    store: str = ".omni/store",
-    tracking_uri: str = "sqlite:///.omni/mlflow.db",
+    store: str = DEFAULT_STORE,
+    tracking_uri: str = DEFAULT_TRACKING_URI,
     workers: int = 1,
     max_quarantine_fraction: float = 0.05,
     pipeline_file: str | None = None,

@@ -12,14 +12,23 @@ from prefect.utilities.annotations import quote
 
 from omni_core.config import PipelineConfig
 from omni_core.pipeline import PipelineRun, resolve_pipeline
+from omni_core.quiet import quiet_startup
 from tasks.artifacts import publish_run_artifacts
 from tasks.stages import stage_task
 
 
+def _flow_run_url() -> str:
+    """This flow run's page in the Prefect UI, or "" when no UI URL is known (Prefect's embedded API
+    has none, and `flow_run.ui_url` then reads "None/flow-runs/...")."""
+    from prefect.settings import PREFECT_UI_URL
+
+    return (flow_run.ui_url or "") if PREFECT_UI_URL.value() else ""
+
+
 def _prefect_tags() -> dict[str, str]:
     tags = {"prefect.flow_run_id": str(flow_run.id or "")}
-    if flow_run.ui_url:
-        tags["prefect.flow_run_url"] = flow_run.ui_url
+    if url := _flow_run_url():
+        tags["prefect.flow_run_url"] = url
     return tags
 
 
@@ -29,6 +38,7 @@ def pipeline(pipeline_file: str | None = None, config: PipelineConfig | None = N
              overrides: list[str] | None = None, force: list[str] | None = None) -> dict[str, Any]:
     """Run a pipeline: `pipeline_file` (a YAML path) or `config` (the pipeline inline), with dotted
     `overrides` (stages.rl.trainer.total_steps=3); `force` names stages to redo although cached."""
+    quiet_startup()  # before a stage starts Ray or loads a model
     run = PipelineRun.start(resolve_pipeline(pipeline_file, config, overrides), tags=_prefect_tags(),
                             force=force or [])
     try:
@@ -47,7 +57,7 @@ def pipeline(pipeline_file: str | None = None, config: PipelineConfig | None = N
             run.stage_failed(name, future.result(raise_on_failure=False))
             failed.append(future)
     summary = run.finish(ok=not failed)
-    publish_run_artifacts(summary, flow_run.ui_url or "")
+    publish_run_artifacts(summary, _flow_run_url())
     if failed:
         failed[0].result()  # raises the first failed stage's error (in dependency order)
     return summary

@@ -12,3 +12,9 @@ def cache_dir(*parts: str) -> Path:
     path = root.joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+# The embedded default: everything a run writes stays under ./.omni/ (docs/design.md, "embedded default").
+OMNI_HOME = Path(".omni")
+DEFAULT_STORE = ".omni/store"
+DEFAULT_TRACKING_URI = "sqlite:///.omni/mlflow.db"

@@ -13,11 +13,12 @@ unknown name is a ConfigError listing the known ones).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from omni_core.errors import ConfigError
 
 T = TypeVar("T")
+_MISSING = object()
 
 
 def _origin(value: object) -> tuple[str, str] | None:
@@ -50,11 +51,13 @@ class Registry(Generic[T]):
 
         return wrap
 
-    def get(self, name: str) -> T:
-        """The thing registered as `name`; ConfigError naming the known ones otherwise."""
+    def get(self, name: str, default: Any = _MISSING) -> T:
+        """The thing registered as `name`; `default` if given, else a ConfigError naming the known ones."""
         try:
             return self._items[name]
         except KeyError:
+            if default is not _MISSING:
+                return default
             known = ", ".join(sorted(self._items)) or "(none)"
             hint = f"; {self.hint}" if self.hint else ""
             raise ConfigError(f"unknown {self.what} {name!r}; known: {known}{hint}") from None

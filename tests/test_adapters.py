@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import wave
-from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -28,15 +27,6 @@ from omni_core.models import (
 from omni_core.models.omni_processor import decode_wav, media_messages
 
 OMNI = "Qwen3OmniMoeForConditionalGeneration"
-
-
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory) -> Path:
-    """The session-wide cache the other model test files use too: each tiny model is built once."""
-    cache = tmp_path_factory.getbasetemp() / "omni-model-cache"
-    for name in ("lm", "qwen3-omni", "sd3"):
-        tiny_model_dir(name, cache_dir=cache)
-    return cache
 
 
 @pytest.fixture(scope="module")

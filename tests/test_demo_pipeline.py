@@ -21,6 +21,7 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from omni_core.data.gsm8k import SCHEMA
+from omni_core.storage.digest import file_list_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = ["critic/score/mean", "actor/pg_loss", "timing_s/step", "actor/grad_norm", "response_length/mean"]
@@ -88,6 +89,7 @@ def test_summary_shows_the_registered_version_and_its_lineage(demo: dict) -> Non
     version = (store / "datasets/digits/LATEST").read_text().strip()
     client: MlflowClient = demo["client"]
     registered = client.get_model_version("digits-grpo-demo", "1")
+    manifest = json.loads((store / "datasets/digits" / version / "_manifest.json").read_text())
     for out in (demo["first"], demo["second"]):
         assert "  model digits-grpo-demo version 1 [candidate, champion]" in out, out[-3000:]
         assert f"checkpoint {registered.tags['omni.checkpoint_uri']} (global_step 40)" in out
@@ -95,6 +97,9 @@ def test_summary_shows_the_registered_version_and_its_lineage(demo: dict) -> Non
         assert "(digits-grpo-demo/rl) grpo: " in out  # eval -> rl -> sft -> dataset
         assert "(digits-grpo-demo/sft) sft: trained the starting model (model: {from: sft})" in out
         assert f"dataset digits@{version} (training, eval)" in out
+        listed = file_list_sha256((f["path"], f["sha256"]) for f in manifest["raw_files"])
+        assert f"raw files {len(manifest['raw_files'])}, list sha256 {listed}" in out
+        assert "raw file " not in out  # one line per raw source, not one per file
         assert f"re-check: omni verify {store / 'datasets/digits' / version}" in out
     assert len(client.search_model_versions("name='digits-grpo-demo'")) == 1  # the cached run registers nothing new
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -258,7 +259,7 @@ def test_lineage_cli_tree_of_the_newest_version(served: dict[str, Any]) -> None:
     for fragment in (f"training run {served['runs'][1].outcomes['rl'].mlflow_run_id}",
                      f"weights sha256 {trained['weights_sha256']}", f"dataset digits@{version} ",
                      f"re-check: omni verify {trained['checkpoint_uri']}",
-                     f"re-check: omni verify {store.uri(f'datasets/digits/{version}')}", "raw file "):
+                     f"re-check: omni verify {store.uri(f'datasets/digits/{version}')}", "raw files "):
         assert fragment in out, out
 
 
@@ -383,7 +384,75 @@ def test_human_tree(local: dict[str, Any]) -> None:
     assert f"\n  eval run {local['ids']['eval']} (p/eval) on d@{local['version']}:train\n" in text
     assert f"    training run {local['ids']['rl']} (p/rl) gspo: trained the checkpoint" in text
     assert f"        re-check: omni verify {local['store'].uri('runs/p/key1/rl/checkpoints/global_step_2')}" in text
-    assert f"          raw file raw/train.jsonl sha256 {'ab' * 32}" in text
+    listed = sorted_list_sha256(["raw/train.jsonl\t" + "ab" * 32])
+    assert f"        raw files 1, list sha256 {listed}" in text
+    assert "raw file raw/train.jsonl" not in text  # one line per source, not per file: unless asked
+    with_files = format_lineage(lineage(local["tracker"], "models:/m@champion", local["store"].root), files=True)
+    assert f"          raw file raw/train.jsonl sha256 {'ab' * 32}" in with_files
+
+
+def sorted_list_sha256(lines: list[str]) -> str:
+    """The raw-file list digest as `omni lineage --help` defines it, computed by coreutils."""
+    text = "".join(f"{line}\n" for line in lines)
+    result = subprocess.run("LC_ALL=C sort | sha256sum", shell=True, input=text.encode(), capture_output=True,
+                            check=True)
+    return result.stdout.split()[0].decode()
+
+
+@pytest.fixture
+def many_raw_files(local: dict[str, Any]) -> Iterator[list[dict[str, str]]]:
+    """The dataset version's manifest listing 3000 raw files (as a real AVQA or MMK12 source does), in
+    no particular order, with non-ASCII and nested paths; put back afterwards."""
+    import random
+
+    store: Store = local["store"]
+    key = f"datasets/d/{local['version']}/_manifest.json"
+    saved = store.read_bytes(key)
+    files = [{"path": f"{split}/{i // 100:02d}/clip-{i:05d}{'-é' if i % 7 == 0 else ''}.wav",
+              "sha256": hashlib.sha256(f"{split}{i}".encode()).hexdigest()}
+             for split in ("train", "test") for i in range(1500)]
+    random.Random(0).shuffle(files)
+    store.write_json(key, {**json.loads(saved), "raw_files": files})
+    try:
+        yield files
+    finally:
+        store.write_bytes(key, saved)
+
+
+def test_many_raw_files_are_a_count_and_one_digest(local: dict[str, Any], many_raw_files: list[dict[str, str]]) -> None:
+    """`omni lineage` prints 3000 raw files as one line (count, sha256 of the sorted list); --files lists
+    each; --json has all of them and the same count and digest."""
+    expected = sorted_list_sha256([f"{f['path']}\t{f['sha256']}" for f in many_raw_files])
+    options = ["models:/m@champion", "--tracking-uri", local["tracker"].tracking_uri, "--store", local["store"].root]
+
+    result = lineage_cli(*options)
+    assert result.exit_code == 0, (result.output, result.exception)
+    lines = result.stdout.splitlines()
+    assert [line.strip() for line in lines if "raw file" in line] == [f"raw files 3000, list sha256 {expected}"]
+    assert len(lines) < 40
+
+    listed = lineage_cli(*options, "--files")
+    assert listed.exit_code == 0, (listed.output, listed.exception)
+    each = [line.strip() for line in listed.stdout.splitlines() if line.strip().startswith("raw file ")]
+    assert each == [f"raw file {f['path']} sha256 {f['sha256']}" for f in many_raw_files]  # manifest order
+
+    as_json = lineage_cli(*options, "--json")
+    assert as_json.exit_code == 0, (as_json.output, as_json.exception)
+    [dataset] = json.loads(as_json.stdout)["datasets"]
+    assert dataset["raw_files"] == many_raw_files
+    assert (dataset["raw_files_count"], dataset["raw_files_sha256"]) == (3000, expected)
+
+
+def test_the_raw_file_list_digest_names_the_set_of_files() -> None:
+    from omni_core.storage.digest import file_list_sha256
+
+    files = [("b/x.wav", "1" * 64), ("a/y.wav", "2" * 64), ("a/é.wav", "3" * 64)]
+    digest = file_list_sha256(files)
+    assert digest == file_list_sha256(reversed(files)) == sorted_list_sha256([f"{p}\t{s}" for p, s in files])
+    assert digest != file_list_sha256(files[:2])  # a file dropped
+    assert digest != file_list_sha256([("b/x.wav", "1" * 64), ("a/y.wav", "2" * 64), ("a/e.wav", "3" * 64)])  # renamed
+    assert digest != file_list_sha256([("b/x.wav", "4" * 64), *files[1:]])  # changed
+    assert file_list_sha256([]) == hashlib.sha256(b"").hexdigest()
 
 
 def test_store_manifests_missing_or_different(local: dict[str, Any], tmp_path: Path) -> None:

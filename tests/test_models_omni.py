@@ -27,12 +27,6 @@ BUILD_FILES = [
 ]
 
 
-@pytest.fixture(scope="session")
-def model_cache(tmp_path_factory) -> Path:
-    """One cache for the whole session (shared with the other model test files)."""
-    return tmp_path_factory.getbasetemp() / "omni-model-cache"
-
-
 @pytest.fixture(scope="module")
 def omni_dir(model_cache) -> Path:
     return tiny_model_dir("qwen3-omni", cache_dir=model_cache)

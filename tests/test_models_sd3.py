@@ -28,11 +28,6 @@ COMPONENT_FILES = [
 
 
 @pytest.fixture(scope="module")
-def model_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "omni-model-cache"  # shared with the other model test files
-
-
-@pytest.fixture(scope="module")
 def sd3_dir(model_cache) -> Path:
     return tiny_model_dir("sd3", cache_dir=model_cache)
 

@@ -29,6 +29,7 @@ def test_an_unknown_name_is_a_config_error_naming_the_known_ones_and_the_hint():
     losses.decorator("a")(second)
     with pytest.raises(ConfigError, match=r"unknown policy loss 'c'; known: a, b; add one with @register_policy_loss"):
         losses.get("c")
+    assert losses.get("c", None) is None  # the mapping form monkeypatch.setitem uses
     assert losses.names() == ["a", "b"] and "a" in losses and len(losses) == 2
 
 

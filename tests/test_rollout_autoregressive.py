@@ -208,8 +208,8 @@ def test_concurrent_callers_in_step_mode(lm, prompts) -> None:
 def test_media_prompts_on_the_omni_thinker(model_cache: Path) -> None:
     from omni_core.data.avqa import AVQAConverter
     from omni_core.data.sources import resolve_source
+    from omni_core.models.multimodal_inputs import collate_media, media_token_ids
     from omni_core.training.components import encode_prompt_inputs
-    from omni_core.training.multimodal import collate_media, media_token_ids
 
     tiny_model_dir("qwen3-omni", cache_dir=model_cache)
     model, processor = load_model("tiny://qwen3-omni", adapter="qwen3_omni_thinker")

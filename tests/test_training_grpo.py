@@ -12,12 +12,12 @@ from omni_core.data.gsm8k import GSM8KConverter
 from omni_core.data.sources import resolve_source
 from omni_core.training.grpo_loop import GRPOTrainer, PromptCursor
 
+# $OMNI_CACHE_DIR (tiny models, fixtures) is conftest's shared cache for this module only, restored after it
+pytestmark = pytest.mark.usefixtures("tiny_model_env")
+
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    import os
-
-    os.environ["OMNI_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+def rows(tiny_model_env: Path) -> list[dict]:
     raw = resolve_source("fixtures://gsm8k?rows=16&seed=0")
     converter = GSM8KConverter()
     return [converter.convert(record, "train", i, raw)

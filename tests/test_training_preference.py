@@ -28,14 +28,8 @@ from omni_core.training.sampler import ModalityGroupedSampler, row_modality, val
 SEED = 0
 
 
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The session-wide cache the model test files share: each tiny model is built once."""
-    return tmp_path_factory.getbasetemp() / "omni-model-cache"
-
-
 @pytest.fixture(scope="module", autouse=True)
-def _env(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def _env(model_cache: Path) -> Iterator[None]:  # conftest's session-wide model_cache
     """Tiny models (and fixtures) in the shared cache; one torch thread (a 166k-parameter model only
     pays for thread synchronisation, badly so on a busy machine)."""
     threads = torch.get_num_threads()

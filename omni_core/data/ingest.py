@@ -1,6 +1,6 @@
 """Ingest a raw dataset into a versioned, content-addressed set of verl Parquet shards in the store.
 
-Layout (DESIGN.md): datasets/{name}/{version}/{split}-{shard:05d}.parquet, quarantine.parquet,
+Layout (docs/design.md): datasets/{name}/{version}/{split}-{shard:05d}.parquet, quarantine.parquet,
 _manifest.json (written last: its presence commits the version), and datasets/{name}/LATEST.
 A failed ingest removes what it wrote and leaves LATEST alone.
 """

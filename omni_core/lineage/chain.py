@@ -6,7 +6,8 @@
            Ray job, image digests)
           -> checkpoint (URI, global step, weights sha256, the MLflow 3 logged model)
           -> dataset versions (name, version, store URI, digest, rows per split)
-            -> raw source URI and raw file sha256s (from the store's _manifest.json)
+            -> raw source URI and raw file sha256s (from the store's _manifest.json), with their count
+               and list digest (`omni_core.storage.digest.file_list_sha256`)
 
 `lineage(tracker, target, store_root)` reads all of it from MLflow (tags, params, metrics, dataset
 inputs, logged models, the registry) and, where the store can be read, cross-checks the checkpoint

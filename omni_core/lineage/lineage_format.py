@@ -1,4 +1,8 @@
-"""Lineage for humans: the chain `lineage()` returns as an indented plain-text tree."""
+"""Lineage for humans: the chain `lineage()` returns as an indented plain-text tree.
+
+A dataset version's raw source files are one line, their count and the sha256 of their sorted list
+(`omni_core.storage.digest.file_list_sha256`: sha256 over the sorted `PATH<TAB>SHA256<LF>` lines);
+`files=True` adds one line per file. The JSON chain always lists every file."""
 
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ def _run_line(run: dict[str, Any]) -> list[str]:
     return parts
 
 
-def format_lineage(chain: dict[str, Any]) -> list[str]:
-    """The chain as an indented tree, one string per line (plain text)."""
+def format_lineage(chain: dict[str, Any], files: bool = False) -> list[str]:
+    """The chain as an indented tree, one string per line (plain text); `files`: every raw file too."""
     lines: list[str] = []
 
     def add(depth: int, text: str) -> None:
@@ -76,7 +80,9 @@ def format_lineage(chain: dict[str, Any]) -> list[str]:
         add(depth + 1, f"store uri {d['uri'] or '-'}")
         add(depth + 1, f"digest {d['digest']}; store manifest: {_check_text(d['store_check'])}")
         add(depth + 1, f"raw source {d['raw_source_uri'] or '-'}")
-        for f in d["raw_files"]:
+        if d.get("raw_files_sha256"):  # known when the store's manifest was read
+            add(depth + 1, f"raw files {d['raw_files_count']}, list sha256 {d['raw_files_sha256']}")
+        for f in d["raw_files"] if files else []:
             add(depth + 2, f"raw file {f['path']} sha256 {f['sha256']}")
         add(depth + 1, f"re-check: {d['recheck']}")
     for warning in chain.get("warnings", []):

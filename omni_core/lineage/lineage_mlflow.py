@@ -146,6 +146,12 @@ def run_tags(run: Any) -> dict[str, str]:
     return dict(run.data.tags)
 
 
+def _ui_url(url: str) -> str:
+    """A recorded UI link, or "" when it is none (runs of older versions recorded "None/flow-runs/..."
+    when Prefect knew no UI URL)."""
+    return url if url.startswith(("http://", "https://")) else ""
+
+
 def _run_common(run: Any) -> dict[str, Any]:
     tags = run_tags(run)
     return {
@@ -154,7 +160,7 @@ def _run_common(run: Any) -> dict[str, Any]:
         "pipeline": tags.get("omni.pipeline", ""), "stage": tags.get("omni.stage", ""),
         "stage_kind": tags.get("omni.stage_kind", ""), "config_digest": tags.get("omni.config_digest", ""),
         "git_commit": tags.get("omni.git_commit", ""), "prefect_flow_run_id": tags.get("prefect.flow_run_id", ""),
-        "prefect_flow_run_url": tags.get("prefect.flow_run_url", ""), "ray_job_id": tags.get("ray.job_id", ""),
+        "prefect_flow_run_url": _ui_url(tags.get("prefect.flow_run_url", "")), "ray_job_id": tags.get("ray.job_id", ""),
         "ray_submission_id": tags.get("ray.submission_id", ""),
         "cache_hit": tags.get("omni.cache_hit", ""), "cached_from_run": tags.get("omni.cached_from_run", ""),
     }

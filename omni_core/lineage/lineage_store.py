@@ -8,6 +8,7 @@ from typing import Any
 
 from omni_core.errors import OmniError
 from omni_core.storage import Store
+from omni_core.storage.digest import file_list_sha256
 
 MANIFEST = "_manifest.json"
 OK, MISMATCH, MISSING, UNREACHABLE, UNKNOWN = "ok", "MISMATCH", "MISSING", "UNREACHABLE", "not checked"
@@ -47,7 +48,8 @@ def check_dataset(entry: dict[str, Any], store_root: str | None) -> None:
     key = f"datasets/{entry['name']}/{entry['version']}"
     derived = _split_root(entry["uri"], "datasets")
     store, manifest, status, detail = _read_manifest([store_root, derived[0] if derived else None], key)
-    entry.update(raw_files=[], manifest_uri="", store_check={"status": status, "detail": detail})
+    entry.update(raw_files=[], raw_files_count=0, raw_files_sha256="", manifest_uri="",
+                 store_check={"status": status, "detail": detail})
     if manifest is None:
         entry["recheck"] = f"omni verify {entry['uri'] or entry['name'] + '@' + entry['version']} --raw"
         return
@@ -65,6 +67,8 @@ def check_dataset(entry: dict[str, Any], store_root: str | None) -> None:
     entry["rows"] = rows
     entry["raw_source_uri"] = manifest.get("source_uri", entry["raw_source_uri"])
     entry["raw_files"] = [{"path": f.get("path", ""), "sha256": f.get("sha256", "")} for f in manifest.get("raw_files", [])]
+    entry["raw_files_count"] = len(entry["raw_files"])  # a real source has thousands: shown as a count and
+    entry["raw_files_sha256"] = file_list_sha256((f["path"], f["sha256"]) for f in entry["raw_files"])  # one digest
     entry["counts"] = manifest.get("counts", entry["counts"])
     entry["converter"] = manifest.get("converter", entry["converter"])
     entry["store_check"] = {"status": MISMATCH if differences else OK, "detail": "; ".join(differences)}

@@ -1,4 +1,4 @@
-"""Rollout engines: batched generation with the log-probs a trainer recomputes (REFERENCE.md section 4)."""
+"""Rollout engines: batched generation with the log-probs a trainer recomputes (docs/reference.md section 4)."""
 
 from omni_core.rollout.autoregressive import ARengine, ARPrompt, ARSampling
 from omni_core.rollout.diffusion import DiffusionEngine, DiffusionSampling

@@ -97,7 +97,7 @@ def _check_sampling(s: Any) -> None:
 class ARPrompt:
     """A prompt: token ids (chat template applied, generation prompt included) and, for a multimodal
     processor, the prompt's own media tensors (`pixel_values`, `image_grid_thw`, `input_features`,
-    `feature_attention_mask`, ... as `omni_core.training.multimodal.encode_media_prompts` returns them
+    `feature_attention_mask`, ... as `omni_core.models.multimodal_inputs.encode_media_prompts` returns them
     per row; empty for text-only). A plain list of ids is accepted as a request's prompt too."""
 
     token_ids: list[int]
@@ -236,7 +236,7 @@ class ARengine(RolloutEngine):
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._suppress: list[int] = []
         if self.tokenizer is not tokenizer_or_processor:
-            from omni_core.training.multimodal import media_token_ids
+            from omni_core.models.multimodal_inputs import media_token_ids
 
             self._suppress = media_token_ids(self.tokenizer)
         self._batches: dict[Hashable, _Batch] = {}  # step-level: the running batch of each compat key
@@ -339,7 +339,7 @@ class ARengine(RolloutEngine):
         mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=self.device)
         media: dict[str, Tensor] = {}
         if any(s.media for s in seqs):
-            from omni_core.training.multimodal import collate_media
+            from omni_core.models.multimodal_inputs import collate_media
 
             media = {k: v.to(self.device) for k, v in collate_media([s.media for s in seqs]).items()}
         if self._mrope:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable
 
 BLOCK = 1 << 20
 
@@ -59,3 +60,14 @@ class AppendDigest:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def file_list_sha256(files: Iterable[tuple[str, str]]) -> str:
+    """One digest of a list of files: sha256 over the UTF-8 lines `PATH<TAB>SHA256<LF>`, sorted (as
+    `LC_ALL=C sort` sorts them), of the (path, sha256 hex) pairs. The same files give the same digest
+    in any order; a file renamed, added, dropped or changed changes it. From a dataset manifest:
+    `jq -r '.raw_files[] | "\\(.path)\\t\\(.sha256)"' _manifest.json | LC_ALL=C sort | sha256sum`."""
+    digest = hashlib.sha256()
+    for line in sorted(f"{path}\t{sha256}\n" for path, sha256 in files):
+        digest.update(line.encode())
+    return digest.hexdigest()

@@ -1,0 +1,55 @@
+"""Prefect set-up for the `omni` commands that run flows: the embedded API's home and quiet tracebacks.
+
+Nothing here imports Prefect at module level: call `use_embedded_prefect()` before the first Prefect
+import (Prefect reads its settings then), `quiet_prefect_tracebacks()` after.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from flows.cli_options import state
+from omni_core.paths import OMNI_HOME
+
+
+def use_embedded_prefect() -> str | None:
+    """Without PREFECT_API_URL, Prefect runs its API in-process; keep its database under .omni/."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    home = os.environ.setdefault("PREFECT_HOME", str((OMNI_HOME / "prefect").resolve()))
+    Path(home).mkdir(parents=True, exist_ok=True)  # Prefect does not create it: its SQLite open would fail
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The first start migrates a fresh database; on a busy 2-core machine that can exceed the 20 s default.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    return home
+
+
+class _WithoutTracebacks(logging.Formatter):
+    """Wraps a console formatter so log records print without their traceback (the CLI prints one line)."""
+
+    def __init__(self, inner: logging.Formatter | None):
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def quiet_prefect_tracebacks() -> None:
+    """Prefect logs a failed run's traceback to the console; keep it for its API/UI, drop it here unless --debug."""
+    if state.debug:
+        return
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)] + [logging.getLogger()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, PrefectConsoleHandler) and not isinstance(handler.formatter, _WithoutTracebacks):
+                handler.setFormatter(_WithoutTracebacks(handler.formatter))

@@ -1,0 +1,129 @@
+"""The repository stands on its own: its citations point into docs/, and its links resolve.
+
+- no file cites the team's brief outside the repository (`../shared`, a bare `REFERENCE.md` /
+  `DESIGN.md`): cite `docs/reference.md section N` or `docs/design.md`;
+- every `docs/reference.md section N` (or `sections N, M`, `section N.M`) names a section that
+  docs/reference.md has (`## N. ...` / `### N.M ...`);
+- every relative link in README.md and docs/*.md points at a file that exists (and, into a
+  markdown file, at a heading it has).
+
+Fast: reads files, starts nothing. Each test lists every offender, not only the first.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT / "docs" / "reference.md"
+SKIP_DIRS = {".git", ".venv", ".omni", "__pycache__", ".ruff_cache", ".pytest_cache", "node_modules"}
+SKIP_FILES = {"tests/test_docs.py"}  # this file spells out the patterns it looks for
+
+# The brief lives outside the repository: `../shared/...`, or the uppercase file names (also
+# without `.md`, as in "per REFERENCE."). POLICY_REFERENCE or PREFERENCE do not match (\b).
+OUTSIDE = re.compile(r"\.\./shared\b|/work/shared\b|\b(?:REFERENCE|DESIGN)\b")
+SECTION_CITE = re.compile(r"docs/reference\.md,?\s+sections?\s+(\d+(?:\.\d+)?(?:\s*(?:,|and)\s*\d+(?:\.\d+)?)*)")
+MD_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def repo_files() -> list[str]:
+    """Tracked and untracked-but-not-ignored files (git), else every file outside SKIP_DIRS."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout
+        files = [f for f in out.splitlines() if (ROOT / f).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        files = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
+                 if p.is_file() and not SKIP_DIRS & set(p.relative_to(ROOT).parts)]
+    return sorted(f for f in files if not SKIP_DIRS & set(Path(f).parts))
+
+
+def text_of(rel: str) -> str | None:
+    try:
+        return (ROOT / rel).read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None  # binary (images, parquet): no citations in it
+
+
+def matching_lines(pattern: re.Pattern[str], files: list[str]) -> list[tuple[str, int, str, re.Match[str]]]:
+    found = []
+    for rel in files:
+        text = text_of(rel)
+        if text is None:
+            continue
+        for number, line in enumerate(text.splitlines(), start=1):
+            found += [(rel, number, line.strip(), m) for m in pattern.finditer(line)]
+    return found
+
+
+def reference_sections() -> set[str]:
+    """`1`, `2`, `2.1`, ... from docs/reference.md's `## N. title` and `### N.M title` headings."""
+    text = REFERENCE.read_text(encoding="utf-8")
+    return set(re.findall(r"^## (\d+)\. ", text, re.M)) | set(re.findall(r"^### (\d+\.\d+) ", text, re.M))
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lowercase, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.M | re.S)  # not in code blocks
+    return {github_anchor(h) for h in re.findall(r"^#{1,6} (.+?)\s*$", text, re.M)}
+
+
+def test_nothing_cites_the_brief_outside_the_repository():
+    files = [f for f in repo_files() if f not in SKIP_FILES]
+    hits = matching_lines(OUTSIDE, files)
+    offenders = [f"{rel}:{n}: {line}" for rel, n, line, _ in hits]
+    assert not offenders, ("cite docs/reference.md section N or docs/design.md instead of the brief outside "
+                           "the repository:\n  " + "\n  ".join(offenders))
+
+
+def test_every_cited_reference_section_exists():
+    sections = reference_sections()
+    assert {"1", "2", "3", "6"} <= sections, f"docs/reference.md lost its numbered sections: {sorted(sections)}"
+    files = [f for f in repo_files() if f not in SKIP_FILES]
+    cites = matching_lines(SECTION_CITE, files)
+    assert cites, "no `docs/reference.md section N` citation found: the pattern or the files changed"
+    missing = []
+    for rel, n, line, match in cites:
+        for number in re.split(r"\s*(?:,|and)\s*", match.group(1)):
+            if number not in sections:
+                missing.append(f"{rel}:{n}: section {number} is not in docs/reference.md: {line}")
+    assert not missing, "\n  ".join(["citations of missing sections:", *missing])
+
+
+def test_relative_links_in_readme_and_docs_resolve():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.M | re.S)
+        for target in MD_LINK.findall(text):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                continue
+            path_part, _, anchor = target.partition("#")
+            where = page if not path_part else (page.parent / path_part).resolve()
+            label = f"{page.relative_to(ROOT)}: ({target})"
+            if not where.exists():
+                broken.append(f"{label}: no such file")
+            elif anchor and where.suffix == ".md" and anchor not in anchors(where):
+                broken.append(f"{label}: no heading #{anchor} in {where.relative_to(ROOT)}")
+    assert not broken, "broken links:\n  " + "\n  ".join(broken)
+
+
+def test_the_checks_catch_what_they_are_for(tmp_path):
+    """The patterns themselves: each flags what it must and passes what it must not."""
+    assert OUTSIDE.search("see " + "../shared" + "/x.md") and OUTSIDE.search("per " + "REFER" + "ENCE.")
+    assert OUTSIDE.search("(" + "DESI" + "GN.md)") and OUTSIDE.search("(" + "REFER" + "ENCE.md 4)")
+    assert not OUTSIDE.search("POLICY_" + "REFER" + "ENCE = 1; PREFERENCE_ALGORITHMS; docs/reference.md")
+    assert not OUTSIDE.search("shared memory; the shared cache; shared/ folders of a checkout")
+    found = SECTION_CITE.search("(docs/reference.md sections 4, 8)")
+    assert found and re.split(r"\s*(?:,|and)\s*", found.group(1)) == ["4", "8"]
+    assert SECTION_CITE.search("docs/reference.md section 2.8").group(1) == "2.8"
+    assert github_anchor("## 6. Metric names".lstrip("# ")) == "6-metric-names"
+    assert github_anchor("The `pipeline` flow, end to end") == "the-pipeline-flow-end-to-end"
+    assert MD_LINK.findall("[a](docs/x.md#y) ![img](p.png) [b](https://e.org)") == ["docs/x.md#y", "https://e.org"]
