@@ -175,9 +175,19 @@ def omni_run(folder: Path, pipeline_file: Path, store: Path, noop: bool = False)
     return seconds, flow_run_seconds(result.stdout + result.stderr), stage_seconds(result.stdout)
 
 
-def demo_runs(folder: Path, repeats: int) -> dict[str, Any]:
+QUICK_DEMO_STEPS = {"sft": 6, "rl": 3}  # --quick: the demo's stages with a few training steps each
+
+
+def demo_runs(folder: Path, repeats: int, quick: bool = False) -> dict[str, Any]:
     empty = folder / "empty.yaml"
     config = yaml.safe_load(DEMO.read_text())
+    demo = DEMO
+    if quick:  # the same stages, fewer training steps (the whole demo takes minutes on 2 cores)
+        short = {**config, "stages": [
+            {**s, "trainer": {**s.get("trainer", {}), "total_steps": QUICK_DEMO_STEPS[s["name"]]}}
+            if s["name"] in QUICK_DEMO_STEPS else s for s in config["stages"]]}
+        demo = folder / "demo-quick.yaml"
+        demo.write_text(yaml.safe_dump(short))
     first_dataset = next(iter(config["datasets"]))
     config["stages"] = [{"name": "noop", "kind": "ingest", "datasets": [first_dataset]}]
     empty.write_text(yaml.safe_dump(config))
@@ -186,8 +196,8 @@ def demo_runs(folder: Path, repeats: int) -> dict[str, Any]:
     runs: dict[str, list[tuple[float, float, float]]] = {"first": [], "cached": [], "empty": []}
     for i in range(repeats):
         store = folder / f"store-{i}"
-        runs["first"].append(omni_run(folder, DEMO, store))
-        runs["cached"].append(omni_run(folder, DEMO, store))
+        runs["first"].append(omni_run(folder, demo, store))
+        runs["cached"].append(omni_run(folder, demo, store))
         runs["empty"].append(omni_run(folder, empty, folder / f"store-empty-{i}", noop=True))
     wall, flow, stages = ({k: statistics.median(r[i] for r in v) for k, v in runs.items()} for i in range(3))
 
@@ -222,7 +232,8 @@ def main() -> None:
         child(sys.argv[2:])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer stages and one demo run of each kind")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer stages, one demo run of each kind, the demo's training a few steps")
     parser.add_argument("--json", action="store_true", help="print one JSON object of the figures last")
     args = parser.parse_args()
     stages, repeats, demo_repeats = (10, 3, 1) if args.quick else (20, 5, 3)
@@ -231,7 +242,7 @@ def main() -> None:
         folder = Path(tmp)
         (folder / "noop").mkdir()
         (folder / "demo").mkdir()
-        figures = demo_runs(folder / "demo", demo_repeats)
+        figures = demo_runs(folder / "demo", demo_repeats, quick=args.quick)
         figures.update(stage_overhead(folder / "noop", stages, repeats))
 
     print(f"per-stage overhead (chains of {figures['noop_chain_stages']} no-op stages, x{figures['noop_chain_repeats']}):"
