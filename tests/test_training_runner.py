@@ -194,6 +194,9 @@ def test_a_checkpoint_holds_the_full_training_state(env: Any):
                 "timing_s/update_weights", "timing_s/step", "training/rollout_probs_diff_mean",
                 "training/rollout_actor_probs_pearson_corr", "training/off_policy/dropped_samples"):
         assert all(key in m for m in metrics), key
+    # the trainer recomputes the old log-probs only for a batch of an older policy version; batch 0's
+    # (version 0, its own) come from the update forward
+    assert [m["timing_s/old_log_prob"] > 0 for m in metrics] == [False, True, True, True]
 
 
 def test_a_checkpoint_of_another_config_is_refused_unless_forced(env: Any):
@@ -225,6 +228,8 @@ def test_a_killed_actor_resumes_to_the_same_weights(env: Any, mode: str, victim:
 
 def test_sync_and_separate_async_train_different_weights(env: Any):
     assert policy_sha(clean_run(env, "sync")["manifest"]) != policy_sha(clean_run(env, "separate_async")["manifest"])
+    # sync, one optimizer step per batch: the old log-probs always come from the update forward
+    assert all(m["timing_s/old_log_prob"] == 0.0 for m in clean_run(env, "sync")["metrics"])
 
 
 def test_a_killed_driver_is_resumed_by_the_next_run(env: Any, tmp_path: Path):

@@ -185,7 +185,9 @@ class TrainerWorker(_StageActor):
         batch = assemble_rollouts(prompts, results, n=self.stage.rollout.n, pad_id=_pad_id(self.trainer.text_io),
                                   media=media)
         rewards = torch.tensor([s for part in scores for s in part["scores"]], dtype=torch.float32)
-        return self.trainer.learn(batch, rewards)  # type: ignore[attr-defined]
+        # a batch from an older policy version (separate_async staleness) gets its old log-probs recomputed
+        on_policy = all(part["version"] == step for part in parts)
+        return self.trainer.learn(batch, rewards, on_policy=on_policy)  # type: ignore[attr-defined]
 
     def step_colocated(self, step: int) -> dict[str, float]:
         if self.trainer.global_step != step:

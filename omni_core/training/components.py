@@ -12,10 +12,15 @@ the SFT loop, a Ray actor, a notebook) reads as a short composition of them:
     old_logp   = rollout_logprobs(model, batch, temperature)           # behaviour policy, no grad
     ref_logp   = rollout_logprobs(reference, batch, temperature)       # frozen reference (k3 KL)
     metrics    = policy_update(model, optimizer, batch, old_logp, advantages, ref_logp, loss_fn, ...)
+    # or, when the current weights made the batch and it gets one optimizer step (`reuses_update_logp`):
+    metrics    = policy_update(model, optimizer, batch, None, advantages, ref_logp, loss_fn, ...)
 
 `policy_update` runs `ppo_epochs` passes over the batch in shuffled mini-batches of whole prompt
 groups, one optimizer step each, so after the first step the ratio logp/old_logp moves away from 1
-and the clip acts (as verl's `ppo_epochs` / `ppo_mini_batch_size`). Randomness comes only from the
+and the clip acts (as verl's `ppo_epochs` / `ppo_mini_batch_size`). With one epoch of one
+mini-batch on a batch the current weights generated, the old log-probs are the update forward's own,
+detached (the ratio is exactly 1): `old_logp=None` takes them from it and saves the extra no-grad
+forward (`reuses_update_logp` says when that holds). Randomness comes only from the
 seeds passed in: same seed, same numbers. `engine_rollouts` takes one seed per response
 (`rollout_seed`), so a response does not depend on what else is in the batch, and always keeps the
 engine's rollout log-probs (`RolloutBatch.rollout_logp`, for verl's rollout-vs-actor metrics).
@@ -43,6 +48,7 @@ from omni_core.models import sequence_logprobs
 from omni_core.rewards import score_batch
 from omni_core.rollout.autoregressive import ARengine, ARPrompt
 from omni_core.rollout.engine import RolloutRequest
+from omni_core.rollout.metrics import rollout_consistency
 from omni_core.training.multimodal import (
     collate_media,
     encode_media_prompts,
@@ -341,28 +347,82 @@ def minibatches(group_ids: Tensor, groups_per_minibatch: int | None, generator: 
     return out
 
 
+def has_active_dropout(model: torch.nn.Module) -> bool:
+    """Whether a forward of `model` in its current mode draws dropout masks: in train mode, a dropout
+    module with p > 0, or a positive `*dropout*` / `*pdrop*` setting in a module's config (HF
+    attention applies `config.attention_dropout` functionally). Errs towards True."""
+    if not model.training:
+        return False
+    configs = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
+            return True
+        config = getattr(module, "config", None)
+        if hasattr(config, "to_dict"):
+            configs[id(config)] = config
+    return any(_positive_dropout(key, value) for config in configs.values() for key, value in _flatten(config.to_dict()))
+
+
+def _flatten(settings: dict[Any, Any]) -> Iterator[tuple[Any, Any]]:
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            yield from _flatten(value)
+        else:
+            yield key, value
+
+
+def _positive_dropout(key: Any, value: Any) -> bool:
+    return (isinstance(key, str) and ("dropout" in key or "pdrop" in key) and isinstance(value, int | float)
+            and not isinstance(value, bool) and value > 0)
+
+
+def reuses_update_logp(model: torch.nn.Module, group_ids: Tensor, *, ppo_epochs: int,
+                       groups_per_minibatch: int | None, on_policy: bool) -> bool:
+    """Whether the old log-probs of a batch may come from the update forward (`policy_update` with
+    `old_logp=None`) instead of a recomputation: the current weights generated the batch (`on_policy`),
+    it gets a single optimizer step (one epoch, one mini-batch of every group), and the forward draws
+    no dropout masks (then the update forward's log-probs, detached, are what the recomputation
+    would give, and skipping it leaves the RNG stream as it was)."""
+    one_minibatch = groups_per_minibatch is None or groups_per_minibatch >= len(torch.unique(group_ids))
+    return on_policy and ppo_epochs == 1 and one_minibatch and not has_active_dropout(model)
+
+
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, *,
-                  old_logp: Tensor, advantages: Tensor, loss_fn: PolicyLossFn, loss_kwargs: dict[str, Any],
+                  old_logp: Tensor | None, advantages: Tensor, loss_fn: PolicyLossFn, loss_kwargs: dict[str, Any],
                   ref_logp: Tensor | None = None, kl_beta: float = 0.0, temperature: float = 1.0,
                   ppo_epochs: int = 1, groups_per_minibatch: int | None = None, max_grad_norm: float = 1.0,
-                  seed: int = 0) -> dict[str, float]:
+                  seed: int = 0, rollout_logp: Tensor | None = None) -> dict[str, float]:
     """`ppo_epochs` passes over the batch in mini-batches of whole groups, one optimizer step each.
+
+    `old_logp=None`: the old log-probs are the update forward's own, detached (ratio exactly 1); only
+    for a single optimizer step (one epoch, one mini-batch), else ValueError; the caller checks the
+    rest of `reuses_update_logp`. With `rollout_logp` (the engine's log-probs of the batch) the
+    metrics include verl's `training/rollout_*` consistency of it against the old log-probs.
 
     Returns the loss metrics (verl names) and `actor/grad_norm` averaged over the optimizer steps.
     """
     generator = torch.Generator().manual_seed(seed)
     mask = batch.response_mask.float()
     history: dict[str, list[float]] = {}
-    for _ in range(ppo_epochs):
-        for index in minibatches(batch.group_ids, groups_per_minibatch, generator):
+    schedule = [minibatches(batch.group_ids, groups_per_minibatch, generator) for _ in range(ppo_epochs)]
+    if old_logp is None and (ppo_epochs != 1 or len(schedule[0]) != 1):
+        raise ValueError(f"old_logp=None needs a single optimizer step, got ppo_epochs={ppo_epochs} with "
+                         f"{len(schedule[0])} mini-batches: pass the recomputed old log-probs")
+    consistency: dict[str, float] = {}
+    for epoch_batches in schedule:
+        for index in epoch_batches:
             mb = batch.select(index)
             logp = rollout_logprobs(model, mb, temperature)
+            old = logp.detach() if old_logp is None else old_logp[index]
+            if rollout_logp is not None and not consistency:
+                full = old if old_logp is None else old_logp
+                consistency = rollout_consistency(rollout_logp, full, batch.response_mask)
             extra = {} if ref_logp is None else {"ref_logp": ref_logp[index], "beta": kl_beta}
-            loss, metrics = loss_fn(logp, old_logp[index], advantages[index], mask[index], **loss_kwargs, **extra)
+            loss, metrics = loss_fn(logp, old, advantages[index], mask[index], **loss_kwargs, **extra)
             metrics["actor/grad_norm"] = optimizer_step(model, optimizer, loss, max_grad_norm)
             for key, value in metrics.items():
                 history.setdefault(key, []).append(value)
-    return {key: sum(values) / len(values) for key, values in history.items()}
+    return {**{key: sum(values) / len(values) for key, values in history.items()}, **consistency}
 
 
 @torch.no_grad()

@@ -13,12 +13,19 @@ from `omni_core.training.components`; `step` reads top to bottom as the algorith
    does not depend on the other prompts of the batch; `rollout.max_num_seqs` and
    `rollout.step_execution` set its batching. The engine records each token's log-prob, so every step
    reports verl's `training/rollout_probs_diff_*` and `training/rollout_actor_probs_pearson_corr`
-   (rollout vs the recomputed old log-probs);
+   (rollout vs the old log-probs, recomputed or the update forward's own: step 4);
 2. reward: verl's `compute_score(data_source, solution_str, ground_truth, extra_info)` per response;
 3. advantages: GRPO group normalisation (`algorithm.adv_scale`);
 4. old log-probs under the behaviour policy, and reference log-probs when `algorithm.kl_beta > 0`
    (the reference is a frozen copy of the starting policy, or with LoRA the policy with its adapter
-   disabled: `components.make_reference`; k3 KL added as `kl_beta * kl`);
+   disabled: `components.make_reference`; k3 KL added as `kl_beta * kl`). When the current weights
+   generated the batch and it gets a single optimizer step (`trainer.ppo_epochs == 1`,
+   `trainer.ppo_mini_batch_size` unset or >= `trainer.batch_size`) and the model draws no dropout,
+   the old log-probs are the update forward's own, detached (ratio exactly 1), and no separate
+   forward runs (`components.reuses_update_logp`): `timing_s/old_log_prob` is then 0.0. Several
+   epochs or mini-batches, or a batch from an older policy version (separate_async), recompute them;
+   so does `recompute_old_logp = True` on the trainer. `timing_s/ref` is the reference forward's time
+   (when `kl_beta > 0`);
 5. update: `trainer.ppo_epochs` passes in mini-batches of `trainer.ppo_mini_batch_size` prompts,
    one AdamW step each, with the policy loss registered as `algorithm.name` ("grpo", "gspo").
 
@@ -42,7 +49,6 @@ from omni_core.config.models import RLStage
 from omni_core.models import load_model
 from omni_core.rollout.autoregressive import ARengine
 from omni_core.rollout.engine import EngineConfig
-from omni_core.rollout.metrics import rollout_consistency
 from omni_core.training.components import (
     PromptCursor,
     RolloutBatch,
@@ -53,6 +59,7 @@ from omni_core.training.components import (
     make_reference,
     policy_update,
     reference_policy,
+    reuses_update_logp,
     rollout_logprobs,
     rollout_seed,
     score_rollouts,
@@ -71,6 +78,10 @@ class GRPOTrainer(TrainerState):
     `tokenizer` are given (e.g. after SFT); they are trained in place. `tokenizer` may be a multimodal
     processor (what `load_model` returns for Qwen3-Omni): the rows' images and audio then reach the model.
     """
+
+    # True: always recompute the old log-probs with a separate no-grad forward (module docstring, step 4),
+    # even where the update forward's own would do; the results agree to float rounding (bench/old_logprobs.py)
+    recompute_old_logp = False
 
     def __init__(self, stage: RLStage, rows: list[dict[str, Any]], seed: int, *,
                  model: torch.nn.Module | None = None, tokenizer: Any = None, rollout: bool = True):
@@ -143,34 +154,41 @@ class GRPOTrainer(TrainerState):
         return {**metrics, "timing_s/gen": t_gen, "timing_s/reward": t_reward,
                 "timing_s/step": time.perf_counter() - t_step}
 
-    def learn(self, batch: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
+    def learn(self, batch: RolloutBatch, rewards: torch.Tensor, *, on_policy: bool = True) -> dict[str, float]:
         """Advantages, old (and reference) log-probs, the policy update on a scored batch; advances
-        `global_step`. Returns the metrics of those parts (no gen/reward/step timings)."""
+        `global_step`. `on_policy`: the current weights generated the batch (False for a batch from an
+        older policy version: the old log-probs are then always recomputed). Returns the metrics of
+        those parts (no gen/reward/step timings)."""
         algo, trainer = self.stage.algorithm, self.stage.trainer
         temperature = self.stage.rollout.temperature
         advantages = grpo_advantages(rewards, batch.group_ids, scale=algo.adv_scale)
+        reuse = not self.recompute_old_logp and reuses_update_logp(
+            self.model, batch.group_ids, ppo_epochs=trainer.ppo_epochs,
+            groups_per_minibatch=trainer.ppo_mini_batch_size, on_policy=on_policy)
 
         t = time.perf_counter()
-        with torch.no_grad():
-            old_logp = self.logprobs(batch)
-            ref_logp = None
-            if algo.kl_beta > 0:
-                with reference_policy(self.model, self.reference) as reference:
-                    ref_logp = rollout_logprobs(reference, batch, temperature)
-        t_old = time.perf_counter() - t
-        # verl's training/rollout_* metrics: the engine's log-probs vs the recomputed old ones (every step;
-        # absent only if a subclass's `generate` returns a batch without rollout_logp)
-        consistency = ({} if batch.rollout_logp is None else
-                       rollout_consistency(batch.rollout_logp, old_logp, batch.response_mask))
+        old_logp = None
+        if not reuse:
+            with torch.no_grad():
+                old_logp = self.logprobs(batch)
+        t_old = 0.0 if reuse else time.perf_counter() - t
+        t = time.perf_counter()
+        ref_logp = None
+        if algo.kl_beta > 0:
+            with torch.no_grad(), reference_policy(self.model, self.reference) as reference:
+                ref_logp = rollout_logprobs(reference, batch, temperature)
+        t_ref = time.perf_counter() - t
 
         t = time.perf_counter()
+        # verl's training/rollout_* metrics (engine log-probs vs the old ones) come with the update's
+        # metrics: every step, absent only if a subclass's `generate` returns a batch without rollout_logp
         metrics = policy_update(
             self.model, self.optimizer, batch, old_logp=old_logp, advantages=advantages, loss_fn=self.loss_fn,
             loss_kwargs={"clip_low": algo.clip_ratio_low, "clip_high": algo.clip_ratio_high,
                          "agg": algo.loss_agg_mode},
             ref_logp=ref_logp, kl_beta=algo.kl_beta, temperature=temperature, ppo_epochs=trainer.ppo_epochs,
             groups_per_minibatch=trainer.ppo_mini_batch_size, max_grad_norm=trainer.max_grad_norm,
-            seed=self.seed * 7919 + self.global_step,
+            seed=self.seed * 7919 + self.global_step, rollout_logp=batch.rollout_logp,
         )
         t_update = time.perf_counter() - t
 
@@ -178,12 +196,12 @@ class GRPOTrainer(TrainerState):
         lengths = batch.response_mask.sum(dim=1).float()
         return {
             **metrics,
-            **consistency,
             "critic/score/mean": rewards.mean().item(),
             "critic/rewards/mean": rewards.mean().item(),
             "critic/advantages/mean": advantages.mean().item(),
             "actor/lr": trainer.lr,
             "response_length/mean": lengths.mean().item(),
             "timing_s/old_log_prob": t_old,
+            **({"timing_s/ref": t_ref} if algo.kl_beta > 0 else {}),
             "timing_s/update_actor": t_update,
         }
