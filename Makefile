@@ -38,9 +38,13 @@ $(VERL_STAMP): Makefile
 demo: setup
 	$(BIN)/omni run configs/demo.yaml
 
+# The modules run on TEST_WORKERS pytest-xdist workers, each module whole on one worker, the longest
+# first (pyproject's addopts, tests/module_order.py); 2 = the CI machine's cores.
+TEST_WORKERS ?= 2
+
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -ra --durations=15
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -ra --durations=15
 
 lint: setup
 	$(BIN)/ruff check .

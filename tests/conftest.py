@@ -1,7 +1,14 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the order of the test modules.
+
+`make test` runs the suite on pytest-xdist workers, a module at a time (`--dist loadfile`, set in
+pyproject.toml): a module's fixtures (servers, pipelines run once for the module) stay in one worker
+process. Session fixtures (the moto server, the shared Ray) are per worker; the tiny-model cache is
+shared by all workers of a run (its entries are built in a temporary folder and renamed into place).
+"""
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import sys
@@ -11,6 +18,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from module_order import DurationRecorder, sort_items
+
+# ---- order: the longest modules first (tests/module_order.py) ------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--record-module-durations", action="store_true",
+                     help="write each module's test time to tests/module_durations.json (the start order)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--record-module-durations") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(DurationRecorder(), "omni-module-durations")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    sort_items(items)
+
 
 # ---- S3: a moto server in a real subprocess ------------------------------------------------------
 
@@ -115,8 +140,28 @@ def store(request: pytest.FixtureRequest, tmp_path: Path):
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The session-wide cache the model test files share: each tiny model is built once."""
-    return tmp_path_factory.getbasetemp() / "omni-model-cache"
+    """The cache the model and pipeline test modules share: each tiny model (and generated fixture) is
+    built once per run. Under xdist it is the run's folder above the workers' own, shared by all of them:
+    `tiny_model_dir` and the fixture generator build in a temporary folder and rename it into place, so
+    a concurrent first use builds twice but never reads a half-written entry."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if _xdist_worker() else base
+    return root / "omni-model-cache"
+
+
+def _xdist_worker() -> str | None:
+    import os
+
+    return os.environ.get("PYTEST_XDIST_WORKER")
+
+
+@pytest.fixture(scope="module")
+def model_cache_env(model_cache: Path) -> Iterator[Path]:
+    """`$OMNI_CACHE_DIR` set to the shared model cache for one test module (no Ray: for a module that
+    starts a Ray of its own, with settings the shared one lacks, after this is set)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMNI_CACHE_DIR", str(model_cache))
+        yield model_cache
 
 
 @pytest.fixture(scope="module")
@@ -133,15 +178,60 @@ def tiny_model_env(model_cache: Path) -> Iterator[Path]:
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def pipeline_model_env(model_cache: Path) -> Iterator[Path]:
-    """For a module that runs pipelines with rl stages: `$OMNI_CACHE_DIR` set to the shared model cache
-    before Ray starts (so the actors see it), and a Ray the module started shut down afterwards."""
+# ---- Ray: one local instance per test process, shared by the modules that need only "a Ray" ------
+
+SHARED_RAY_CPUS = 4  # logical CPUs: room for a trainer, rollout and reward actors at once
+_shared_ray: dict[str, str] = {}  # the GCS address of the Ray `shared_ray` started in this process
+
+
+def _shared_ray_running() -> bool:
     import ray
 
-    started = not ray.is_initialized()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_CACHE_DIR", str(model_cache))
-        yield model_cache
-    if started and ray.is_initialized():
+    return ray.is_initialized() and ray.get_runtime_context().gcs_address == _shared_ray.get("address")
+
+
+@pytest.fixture(scope="session")
+def _shared_ray_session() -> Iterator[None]:
+    """Shuts the shared Ray down at the end of the session (of this worker)."""
+    yield
+    if _shared_ray and _shared_ray_running():
+        import ray
+
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shared_ray(model_cache: Path, _shared_ray_session: None) -> Iterator[None]:
+    """This test process's local Ray (`ray.init`, SHARED_RAY_CPUS logical CPUs), started once and kept
+    for the next module: its raylet and workers got `$OMNI_CACHE_DIR` = the shared model cache, so the
+    actors find the tiny models. A Ray someone else started in this process is shut down first. A module
+    whose actors need other environment (an S3 endpoint, credentials) shuts this one down and starts its
+    own; the next module that asks for this one starts it again. At the module's end, a Ray whose CPUs
+    are not all free again (an actor a failed test left behind) is shut down, so no module inherits it."""
+    import ray
+
+    if ray.is_initialized() and not _shared_ray_running():
+        ray.shutdown()
+    if not ray.is_initialized():
+        with pytest.MonkeyPatch.context() as mp:  # what the raylet, hence every worker, inherits
+            mp.setenv("OMNI_CACHE_DIR", str(model_cache))
+            ray.init(address="local", num_cpus=SHARED_RAY_CPUS, include_dashboard=False,
+                     logging_level=logging.WARNING)  # "local": never join a Ray running on the machine
+        _shared_ray["address"] = ray.get_runtime_context().gcs_address
+    yield
+    if not _shared_ray_running():
+        return
+    deadline = time.monotonic() + 20  # a finished stage's actors give their CPUs back asynchronously
+    while ray.available_resources().get("CPU", 0) < SHARED_RAY_CPUS:
+        if time.monotonic() > deadline:
+            ray.shutdown()
+            return
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def pipeline_model_env(model_cache_env: Path, shared_ray: None) -> Path:
+    """For a module that runs pipelines with rl stages: `$OMNI_CACHE_DIR` set to the shared model cache
+    and the process's shared Ray running (started with that cache set, so the actors see it; a stage's
+    `ensure_ray` finds it and starts none)."""
+    return model_cache_env

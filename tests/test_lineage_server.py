@@ -47,7 +47,7 @@ def run_pipeline(data: dict[str, Any]) -> Any:
 
 
 @pytest.fixture(scope="module")
-def served(pipeline_model_env: Path, mlflow_server: MlflowServer,  # noqa: F811
+def served(model_cache_env: Path, mlflow_server: MlflowServer,  # noqa: F811  (own Ray: S3 keys)
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     import boto3
     import ray

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import yaml
 
 from omni_core.errors import DataError
@@ -63,20 +62,17 @@ def pipeline_config(workdir: Path, reward: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory: pytest.TempPathFactory):
-    """A temporary Prefect server (SQLite) for this module, and a model cache set before Ray starts."""
+def prefect_api(pipeline_model_env: Path):
+    """A temporary Prefect server (SQLite) for this module; the model cache and the shared Ray are
+    `pipeline_model_env`'s."""
     from prefect.testing.utilities import prefect_test_harness
 
-    started_ray = not ray.is_initialized()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "omni-model-cache"))
         mp.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
         with prefect_test_harness(server_startup_timeout=180):
             from prefect import get_client
 
             yield get_client(sync_client=True)
-    if started_ray and ray.is_initialized():
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

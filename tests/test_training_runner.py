@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import yaml
 
 from omni_core.config import DatasetConfig
@@ -56,19 +55,14 @@ ASYNC = {"max_staleness": 2}  # batch k uses version k - 2: resuming at step 2 n
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory, tiny_model_env: Path) -> Any:
-    """Ray for this module (started after the model cache is set, so the actors see it) and the
-    ingested digits dataset."""
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False)
+def env(tmp_path_factory: pytest.TempPathFactory, tiny_model_env: Path, shared_ray: None) -> Any:
+    """The process's shared Ray (4 CPUs, started with the model cache set, so the actors see it) and
+    the ingested digits dataset."""
     data = tmp_path_factory.mktemp("data-store")
     store = Store(str(data))
     version = ingest(store, "digits", DATASET, progress=lambda _: None)
     rows = read_split(store, version.shard_keys("train"))
-    yield {"data_store": data, "version": version.version, "rows": rows, "clean": {}, "tmp": tmp_path_factory}
-    if started:
-        ray.shutdown()
+    return {"data_store": data, "version": version.version, "rows": rows, "clean": {}, "tmp": tmp_path_factory}
 
 
 def train(env: Any, spec: dict[str, Any], *, kill: str | None = None, store: Store | None = None,
