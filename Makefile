@@ -35,7 +35,7 @@ $(VERL_STAMP): Makefile
 	$(VERL_VENV)/bin/python -m pip install --quiet --no-compile "torch==2.13.0" $(VERL_REQUIREMENTS) 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
 	@touch $(VERL_STAMP)
 
-demo: setup
+demo: $(STAMP)
 	$(BIN)/omni run configs/demo.yaml
 
 # The modules run on TEST_WORKERS pytest-xdist workers, each module whole on one worker, the longest
