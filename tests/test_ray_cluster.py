@@ -160,3 +160,17 @@ def test_local_starts_its_own_ray_beside_a_running_cluster(cluster: RayCluster, 
         import shutil
 
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_the_cluster_and_its_job_server_refuse_callers_without_the_token(cluster: RayCluster) -> None:
+    import httpx
+
+    jobs = f"{cluster.job_server}/api/jobs/"
+    assert httpx.get(jobs, timeout=30).status_code == 401
+    assert httpx.get(jobs, headers={"Authorization": "Bearer wrong"}, timeout=30).status_code in (401, 403)
+    assert httpx.get(jobs, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).status_code == 200
+    script = ("from omni_core.config import RayConfig\nfrom omni_core.training.ray_env import init_ray\n"
+              f"init_ray(RayConfig(address='{cluster.address}'))\n")
+    env = {**cluster.driver_env(), "RAY_AUTH_TOKEN": "0" * 64}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode != 0 and f"ray.address {cluster.address}: cannot connect" in out.stderr, out.stderr[-3000:]
