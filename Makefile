@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # System packages the tests use (installed with apt-get when running as root).
-SYSTEM_PACKAGES := git buildah skopeo docker-registry busybox-static tesseract-ocr tesseract-ocr-eng fonts-dejavu-core
+SYSTEM_PACKAGES := git buildah skopeo docker-registry busybox-static tesseract-ocr tesseract-ocr-eng fonts-dejavu-core postgresql
 
 .PHONY: setup demo test lint bench clean
 
