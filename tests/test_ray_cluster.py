@@ -8,6 +8,7 @@ where RAY_ADDRESS points at a running cluster or a stale `ray_current_cluster` f
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 import sys
@@ -63,10 +64,18 @@ def test_runtime_env_forwards_store_and_tracking_settings_by_name() -> None:
                "AWS_CONFIG_FILE": "/home/me/.aws/config", "MLFLOW_TRACKING_USERNAME": "u",
                "MLFLOW_TRACKING_PASSWORD": "p", "HF_TOKEN": "h", "MY_API_KEY": "x", "HOME": "/home/me", "PATH": "/bin"}
     cluster = RayConfig(address="10.0.0.1:6379", env_vars=["MY_API_KEY"])
+    expected = {k: environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN",
+                                        "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_USERNAME", "MY_API_KEY",
+                                        "OMNI_S3_ENDPOINT_URL")}
+    assert forwarded_env(cluster, environ) == expected
     env = runtime_env(cluster, environ)
-    assert env["env_vars"] == {k: environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN",
-                                                          "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_USERNAME",
-                                                          "MY_API_KEY", "OMNI_S3_ENDPOINT_URL")}
+    assert "env_vars" not in env  # values in env_vars would be written to Ray's runtime env agent log
+    with pytest.MonkeyPatch.context() as mp:
+        for name in expected:
+            mp.delenv(name, raising=False)
+        env["worker_process_setup_hook"]()  # what each worker runs first
+        assert {k: os.environ.get(k) for k in expected} == expected
+    assert runtime_env(cluster, environ, job=True)["env_vars"] == expected  # a Ray Job's (JSON) runtime env
     assert Path(env["py_modules"][0]).name == "omni_core" and "__pycache__" in env["excludes"]
     assert "working_dir" not in runtime_env(cluster.model_copy(update={"code": "image"}), environ)
     assert "py_modules" not in runtime_env(cluster.model_copy(update={"code": "image"}), environ)

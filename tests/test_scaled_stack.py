@@ -180,8 +180,10 @@ def test_postgres_restarted_next_run_succeeds_and_no_run_is_lost(stack: dict, fi
 def test_no_secret_in_a_database_dump_or_a_log(stack: dict, first_run: Any) -> None:
     pg = stack["pg"]
     texts = {f"pg_dump {db}": pg.dump(db) for db in ("prefect", "mlflow", "mlflow_auth")}
+    ray_logs = [p for p in Path(stack["cluster"].temp).glob("session_*/logs/*") if p.is_file()]
+    assert ray_logs
     logs = [stack["prefect"].log, stack["mlflow"].log, stack["worker_log"], *stack["cluster"].logs,
-            pg.folder / "postgres.log"]
+            pg.folder / "postgres.log", *ray_logs]
     texts.update({str(p): p.read_text(errors="replace") for p in logs})
     values = {name: value for name, value in stack["secrets"].items()}
     values["prefect"] = values["prefect"].split(":", 1)[1]
@@ -189,4 +191,75 @@ def test_no_secret_in_a_database_dump_or_a_log(stack: dict, first_run: Any) -> N
         for name, value in values.items():
             assert value not in text, f"the {name} secret is in {where}"
     assert "pipeline/local" in stack["deploy_out"]
-    json.dumps(values)  # (plain strings)
+
+
+def fault_pipeline(stack: dict, store: str, address: str) -> Path:
+    workdir = stack["folder"] / f"fault-{address.replace(':', '-').replace('.', '-')}"
+    workdir.mkdir(exist_ok=True)
+    config = digits_pipeline(workdir, name="stack-fault", store=store, tracking_uri=stack["mlflow"].url, seed=5,
+                             model_name="stack-fault", samples=4)
+    config["ray"] = {"address": address, **({"num_cpus": 2} if address == "local" else {})}
+    rl = next(s for s in config["stages"] if s["name"] == "rl")
+    rl["trainer"]["total_steps"] = 6
+    rl["checkpoint"] = {"save_freq": 1}
+    rl["execution"] = {"retry_backoff_s": 1.0}
+    if address != "local":  # every actor on a worker node (the head has no omni_worker)
+        rl["resources"] = {role: {"CPU": 1 if role != "reward" else 0, "omni_worker": 1}
+                           for role in ("trainer", "rollout", "reward")}
+    path = workdir / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def train(stack: dict, path: Path, **popen: Any) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "omni_core.training", "run", str(path), "--stage", "rl"],
+                            cwd=ROOT, env=stack["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **popen)
+
+
+def test_a_worker_node_lost_during_training_resumes_and_ends_with_the_same_weights(stack: dict) -> None:
+    """The worker node's raylet SIGKILLed after the second checkpoint; the test starts a replacement
+    node; the stage resumes from its last checkpoint there and ends with the weights of an
+    uninterrupted run (the same stage on a local Ray, another store)."""
+    import psutil
+
+    from omni_core.config import DatasetConfig
+    from omni_core.data import ingest
+    from omni_core.storage import Store
+
+    cluster = stack["cluster"]
+    store = f"s3://{stack['bucket']}/fault"
+    local_store = str(stack["folder"] / "fault-local-store")
+    dataset = DatasetConfig(source="fixtures://digits?rows=16&seed=0", converter="digits")
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("OMNI_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+            mp.setenv(name, stack["env"][name])
+        versions = {ingest(Store(s), "digits", dataset, progress=lambda _: None).version for s in (store, local_store)}
+        assert len(versions) == 1
+        s3 = Store(store)
+        proc = train(stack, fault_pipeline(stack, store, cluster.address))
+        worker_node = cluster.nodes[1]
+        try:
+            deadline = time.monotonic() + 300
+            while not any("global_step_2/_manifest.json" in k for k in s3.list("runs/stack-fault")):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-4000:]
+                time.sleep(0.5)
+            raylets = [p for p in psutil.Process(worker_node.pid).children(recursive=True) if "raylet" in p.name()]
+            assert raylets, "no raylet under the worker node's `ray start`"
+            for p in raylets:
+                p.kill()
+            cluster.add_node(num_cpus=2, resources={"omni_worker": 4})  # the replacement
+            out, _ = proc.communicate(timeout=420)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["global_step"] == 6 and result["recoveries"] >= 1, out[-3000:]
+    assert "restart" in out.lower() or "recover" in out.lower(), out[-3000:]
+    local = train(stack, fault_pipeline(stack, local_store, "local"))
+    local_out, _ = local.communicate(timeout=420)
+    assert local.returncode == 0, local_out[-4000:]
+    uninterrupted = json.loads(local_out.strip().splitlines()[-1])
+    assert uninterrupted["recoveries"] == 0
+    assert result["weights_sha256"] == uninterrupted["weights_sha256"]

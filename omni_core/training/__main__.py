@@ -131,7 +131,7 @@ def submit(config: PipelineConfig, stage: RLStage, args: argparse.Namespace, cli
                *(["--mlflow-parent-run-id", args.mlflow_parent_run_id] if args.mlflow_parent_run_id else [])]
     # what the training's actors need (store, tracking, code) from this environment; --runtime-env wins
     runtime_env = merge_runtime_env(json.loads(args.runtime_env) if args.runtime_env else {},
-                                    runtime_env_for(config.ray.model_copy(update={"address": args.address})))
+                                    runtime_env_for(config.ray.model_copy(update={"address": args.address}), job=True))
     attempt = 1
     while True:
         job_id = submission_id(config, stage, dv.version, attempt)

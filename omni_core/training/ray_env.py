@@ -4,10 +4,12 @@ On a cluster, actors run in processes started by each node's raylet, which never
 shell: without help they have no S3 endpoint or credentials, no tracking server and maybe not this
 project's code. `runtime_env(cfg)` is the Ray runtime env that carries them:
 
-- `env_vars`: the driver's store and tracking settings, by the names the user's environment has
+- the driver's store and tracking settings, by the names the user's environment has
   (`OMNI_S3_*`, `AWS_*` but the two local file paths, `MLFLOW_TRACKING_*`, `MLFLOW_S3_*`, `HF_TOKEN`,
   `HF_ENDPOINT`) plus the names listed in `ray.env_vars`. Only names are configured: the values stay
-  in the environment and in Ray's runtime env, never in the pipeline file, a manifest or MLflow.
+  in the environment, never in the pipeline file, a manifest, MLflow or a log: they reach the
+  workers through a worker setup hook that Ray keeps in its internal store (a submitted Ray Job's
+  runtime env must be JSON, so there they are `env_vars`, which Ray's runtime env agent logs).
 - the code, as `ray.code` says: `image` (installed there), `py_modules` (the omni_core package is
   uploaded to the cluster), `working_dir` (the project folder is); `auto` is `py_modules` on a
   cluster and nothing for a local Ray (its workers are this machine's processes).
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +65,29 @@ def code_mode(cfg: RayConfig) -> str:
     return "image" if is_local(cfg) else "py_modules"
 
 
-def runtime_env(cfg: RayConfig, environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """The Ray runtime env of a stage's actors (and of a Ray Job that trains it)."""
+def env_setup_hook(variables: dict[str, str]) -> Callable[[], None]:
+    """A worker setup hook that puts `variables` into the worker's environment. Ray pickles it into
+    its internal key-value store; `env_vars` would do the same job but Ray's runtime env agent
+    writes a runtime env's `env_vars`, values and all, into its log on every node."""
+    def omni_forwarded_env() -> None:
+        import os
+
+        os.environ.update(variables)
+
+    return omni_forwarded_env
+
+
+def runtime_env(cfg: RayConfig, environ: dict[str, str] | None = None, *, job: bool = False) -> dict[str, Any]:
+    """The Ray runtime env of a stage's actors; `job`: of a Ray Job that trains it, which must be
+    plain JSON, so the variables go as `env_vars` (and so into Ray's runtime env agent log)."""
     import omni_core
 
     env: dict[str, Any] = {}
     if variables := forwarded_env(cfg, environ):
-        env["env_vars"] = variables
+        if job:
+            env["env_vars"] = variables
+        else:
+            env["worker_process_setup_hook"] = env_setup_hook(variables)
     package = Path(omni_core.__file__).resolve().parent
     mode = code_mode(cfg)
     if mode == "py_modules":
