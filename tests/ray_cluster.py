@@ -75,11 +75,11 @@ class RayCluster:
         return proc
 
     def add_node(self, num_cpus: int, resources: dict[str, float] | None = None, wait: float = 120) -> subprocess.Popen:
-        before = len(self.alive_nodes())
+        before = {n["raylet"]["nodeId"] for n in self.alive_nodes()}  # (a node just lost may still count)
         proc = self._start([f"--address={self.address}", f"--num-cpus={num_cpus}",
                             f"--resources={json.dumps(resources or {})}"], f"node{len(self.nodes)}")
         deadline = time.monotonic() + wait
-        while len(self.alive_nodes()) <= before:
+        while not {n["raylet"]["nodeId"] for n in self.alive_nodes()} - before:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"ray worker node did not join: {self.logs[-1].read_text()[-3000:]}")
             time.sleep(1)
