@@ -8,7 +8,11 @@ does) pointing the digits pipeline (ingest -> rl -> eval -> register) at the S3 
 server and the cluster; it completes, the rl stage's actors ran on the cluster's worker node, the
 registered model's lineage and `omni verify --store s3://...` pass. Faults: Postgres restarted
 while the servers run (the next run succeeds, no earlier run lost); unauthenticated calls refused
-by Prefect, MLflow and the Ray job server; no secret in a dump of the databases or in a log."""
+by Prefect, MLflow and the Ray job server; no secret in a dump of the databases or in a log (the
+servers', the worker's, Postgres', every Ray log); the worker node's raylet SIGKILLed during a
+training, a replacement node started: the stage resumes from its last checkpoint and ends with the
+weights of an uninterrupted run. Not tried here: the Prefect worker SIGKILLed during a run.
+About 12 minutes on a busy 2-core machine (the stack starts in ~2)."""
 
 from __future__ import annotations
 
