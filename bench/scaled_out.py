@@ -41,7 +41,9 @@ DEMO = ROOT / "configs" / "demo.yaml"
 def overhead_child(folder: Path, stages: int, repeats: int, store: str, tracking_uri: str) -> None:
     """In a child process (Prefect's settings are per process): the chain's stage gaps, as JSON."""
     from bench.orchestration import noop_chain, register_noop_kind
+    from omni_core.pipeline.stages import _KINDS
 
+    _KINDS._items.pop("ingest", None)  # bench-only: the registry now refuses a second `ingest`
     register_noop_kind()
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
