@@ -184,6 +184,11 @@ def main() -> None:
     except Exception as exc:
         if state.debug:
             traceback.print_exc()
+        from flows.access import refused
+
+        if hint := refused(exc):
+            err_console.print(f"[red]error:[/red] {escape(hint)}")
+            sys.exit(2)
         err_console.print(f"[red]unexpected error:[/red] {exc.__class__.__name__}: {escape(str(exc))} "
                           "(rerun with --debug for the traceback)")
         sys.exit(1)

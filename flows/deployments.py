@@ -7,8 +7,8 @@ without a reachable API, the work pools, and the CUDA image reference.
 from __future__ import annotations
 
 import asyncio
-import copy
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +23,11 @@ from omni_core.errors import OmniError
 PREFECT_FILE = Path(__file__).resolve().parents[1] / "prefect.yaml"
 CUDA_IMAGE_ENV = "OMNI_CUDA_IMAGE"
 GPU_LIMIT_VARIABLE = "gpu_limit"
+# The kubernetes pool's job template: Prefect's default `with_gpu_limit`, plus the `omni-secrets`
+# Secret as the container's environment (optional), and parallelism/completions on the Job's spec
+# where Kubernetes reads them (Prefect's default puts them on the pod's); tests/test_infra.py
+# validates it against Kubernetes' Job schema.
+KUBERNETES_JOB_TEMPLATE = Path(__file__).resolve().parents[1] / "infra" / "k8s" / "prefect-work-pool.json"
 
 
 class DeploymentError(OmniError):
@@ -111,18 +116,6 @@ def check_api(url: str, timeout: float = 5.0) -> None:
 # ---- work pools ---------------------------------------------------------------------------------
 
 
-def with_gpu_limit(template: dict[str, Any]) -> dict[str, Any]:
-    """A Kubernetes base job template with a `gpu_limit` variable setting the container's
-    `nvidia.com/gpu` limit (Prefect's default template has CPU and memory only)."""
-    template = copy.deepcopy(template)
-    template["variables"]["properties"][GPU_LIMIT_VARIABLE] = {
-        "title": "GPU limit", "type": "integer", "minimum": 0, "default": 1,
-        "description": "NVIDIA GPUs per flow-run pod (resources.limits nvidia.com/gpu)."}
-    container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
-    container.setdefault("resources", {}).setdefault("limits", {})["nvidia.com/gpu"] = "{{ " + GPU_LIMIT_VARIABLE + " }}"
-    return template
-
-
 def ensure_work_pools(specs: list[DeploymentSpec]) -> list[str]:
     """Create the work pools these deployments name when missing; returns the names created."""
     from prefect.client.orchestration import get_client
@@ -142,11 +135,10 @@ def ensure_work_pools(specs: list[DeploymentSpec]) -> list[str]:
                 raise DeploymentError(f"work pool {pool!r} does not exist and prefect.yaml does not say its type "
                                       "(name it under definitions.work_pools.<type>), or create it: "
                                       f"prefect work-pool create {pool} --type process")
-            template = asyncio.run(get_default_base_job_template_for_infrastructure_type(kind))
+            template = (json.loads(KUBERNETES_JOB_TEMPLATE.read_text()) if kind == "kubernetes"
+                        else asyncio.run(get_default_base_job_template_for_infrastructure_type(kind)))
             if template is None:
                 raise DeploymentError(f"work pool {pool!r}: Prefect knows no job template for type {kind!r}")
-            if kind == "kubernetes":
-                template = with_gpu_limit(template)
             client.create_work_pool(WorkPoolCreate(name=pool, type=kind, base_job_template=template))
             created.append(pool)
     return created

@@ -28,8 +28,26 @@ class Strict(BaseModel):
 
 
 class RayConfig(Strict):
-    address: str = Field("local", description="'local' starts Ray in-process; else a cluster address.")
+    address: str = Field("local", description="'local' starts a fresh Ray in-process (never joins a running one); "
+                                              "else a cluster address (HOST:PORT, ray://HOST:PORT or auto).")
     num_cpus: int | None = Field(None, ge=1, description="CPUs for a local Ray (default: all).")
+    code: Literal["auto", "image", "py_modules", "working_dir"] = Field(
+        "auto", description="How a cluster's workers get this project's code: image (already installed there), "
+                            "py_modules (the omni_core package is uploaded), working_dir (the project folder is "
+                            "uploaded); auto: py_modules on a cluster, nothing for a local Ray.")
+    env_vars: list[str] = Field(
+        default_factory=list, description="Names of more environment variables the driver hands to the actors "
+                                          "(besides the store's and the tracking server's; see omni_core.training.ray_env).")
+
+    @model_serializer(mode="wrap")
+    def _dump_without_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """`code` and `env_vars` left at their defaults are not dumped: config digests stay what they were."""
+        data = handler(self)
+        if data.get("code") == "auto":
+            data.pop("code", None)
+        if not data.get("env_vars"):
+            data.pop("env_vars", None)
+        return data
 
 
 class DatasetConfig(Strict):

@@ -72,8 +72,10 @@ def lineage(tracker: Any, target: str | None, store_root: str | None = None) -> 
     try:
         return _lineage(client, target, store_root, tracking_location(client))
     except MlflowException as exc:
+        hint = ("; set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) to an "
+                "MLflow user's" if exc.error_code in ("UNAUTHENTICATED", "PERMISSION_DENIED") else "")
         raise LineageError(f"lineage of {target or 'the newest registered model version'}: MLflow at "
-                           f"{tracking_location(client)} answered: {redact_text(exc.message)}") from exc
+                           f"{tracking_location(client)} answered: {redact_text(exc.message)}{hint}") from exc
 
 
 def _lineage(client: Any, target: str | None, store_root: str | None, tracking_uri: str) -> dict[str, Any]:

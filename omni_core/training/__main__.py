@@ -123,6 +123,8 @@ def submit(config: PipelineConfig, stage: RLStage, args: argparse.Namespace, cli
     """Submit the `run` command unless a job of this training is already pending, running or done."""
     from ray.job_submission import JobSubmissionClient
 
+    from omni_core.training.ray_env import merge_runtime_env
+    from omni_core.training.ray_env import runtime_env as runtime_env_for
     from omni_core.training.ray_stage import SUBMISSION_ENV
 
     _, dv, _ = resolve(config, stage, args.dataset_version)
@@ -131,7 +133,9 @@ def submit(config: PipelineConfig, stage: RLStage, args: argparse.Namespace, cli
                args.pipeline, "--stage", stage.name, "--dataset-version", dv.version,
                *[item for kv in args.set for item in ("--set", kv)],
                *(["--mlflow-parent-run-id", args.mlflow_parent_run_id] if args.mlflow_parent_run_id else [])]
-    runtime_env = json.loads(args.runtime_env) if args.runtime_env else {}
+    # what the training's actors need (store, tracking, code) from this environment; --runtime-env wins
+    runtime_env = merge_runtime_env(json.loads(args.runtime_env) if args.runtime_env else {},
+                                    runtime_env_for(config.ray.model_copy(update={"address": args.address}), job=True))
     attempt = 1
     while True:
         job_id = submission_id(config, stage, dv.version, attempt)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,9 +19,10 @@ import ray
 import omni_core
 from omni_core.config.models import RUN_KEY_EXCLUDED, RUN_KEY_EXCLUDED_EXECUTION, RayConfig, RLStage
 from omni_core.data.ingest import read_rows
-from omni_core.errors import DataError, OmniError
+from omni_core.errors import DataError
 from omni_core.storage import Store
 from omni_core.training.checkpoint import latest_checkpoint, stage_prefix
+from omni_core.training.ray_env import init_ray, is_local
 from omni_core.training.runner import StageRun, StageRunner
 
 
@@ -59,16 +59,8 @@ def config_digest(stage: RLStage, seed: int, dataset_version: str) -> str:
 
 
 def ensure_ray(cfg: RayConfig) -> None:
-    if ray.is_initialized():
-        return
-    try:
-        if cfg.address == "local":
-            ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, logging_level=logging.WARNING)
-        else:
-            ray.init(address=cfg.address, logging_level=logging.WARNING)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise OmniError(f"ray.address {cfg.address}: cannot connect ({exc}); start the cluster or use "
-                        "ray.address=local") from exc
+    """A fresh local Ray, or the cluster with the runtime env the actors need (`ray_env.init_ray`)."""
+    init_ray(cfg)
 
 
 SUBMISSION_ENV = "OMNI_RAY_SUBMISSION_ID"  # `submit` sets it in the job's environment
@@ -121,7 +113,7 @@ def run_rl_stage(*, pipeline: str, stage: RLStage, seed: int, store: Store, shar
         pipeline=pipeline, stage=stage, seed=seed, store=store, rows=rows, dataset_version=dataset_version,
         run_key=run_key, config_digest=config_digest(stage, seed, dataset_version),
         tracker=tracker, mlflow_run_id=mlflow_run_id, progress=progress,
-        local_ray=ray_config.address == "local" and not os.environ.get("RAY_ADDRESS")))
+        local_ray=is_local(ray_config)))
     manifest = runner.run()
     return RLStageResult(run_key, manifest["global_step"], manifest["uri"], _weights_digest(manifest),
                          manifest["metrics"], reused=False, recoveries=runner.recoveries)

@@ -1,0 +1,175 @@
+"""The embedded default vs the scaled-out stack, side by side in one run: the demo pipeline's time and
+the per-stage overhead of a chain of no-op stages on each.
+
+    python bench/scaled_out.py [--quick] [--json]
+
+The stack is the one tests/test_scaled_stack.py starts on 127.0.0.1 (its helpers in tests/): a fresh
+Postgres cluster, `prefect server` on it with basic auth, `mlflow server --app-name basic-auth` on
+it with artifacts on a moto S3 server, and a two-node Ray cluster with token auth. The embedded
+default: Prefect's in-process API, sqlite MLflow, a local store, a local Ray.
+
+1. Per-stage overhead (as bench/orchestration.py measures it): the `pipeline` flow, in a child
+   process, runs a chain of N no-op stages (the bench-only kind of bench/orchestration.py) after a
+   warm-up chain; the figure is the median gap between consecutive stages' ends (Prefect's task
+   runs). On the stack the flow reports to the Prefect server and logs to the MLflow server, its
+   store is on S3. Target: the stack's at most 2x the embedded default's.
+2. The demo pipeline (configs/demo.yaml; --quick: its rl stage 1 step), `omni run` as a fresh
+   process, on an empty store: the embedded default vs the same file with `store=s3://...`,
+   `tracking_uri=http://...` and `ray.address=HOST:PORT` on the stack. Wall seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+DEMO = ROOT / "configs" / "demo.yaml"
+
+
+def overhead_child(folder: Path, stages: int, repeats: int, store: str, tracking_uri: str) -> None:
+    """In a child process (Prefect's settings are per process): the chain's stage gaps, as JSON."""
+    from bench.orchestration import noop_chain, register_noop_kind
+    register_noop_kind()
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.pipeline import pipeline
+
+    chain = noop_chain(folder, stages)
+    gaps: list[float] = []
+    for i in range(repeats + 1):  # the first: warm-up
+        state = pipeline(pipeline_file=str(chain), overrides=[f"store={store}/chain-{i}",
+                                                              f"tracking_uri={tracking_uri}"], return_state=True)
+        assert state.is_completed(), state
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
+                id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        ends = sorted(t.end_time for t in runs)
+        if i:
+            gaps += [(b - a).total_seconds() for a, b in zip(ends, ends[1:], strict=False)]
+    print(json.dumps({"median_ms": round(1000 * statistics.median(gaps), 1),
+                      "p90_ms": round(1000 * statistics.quantiles(gaps, n=10)[-1], 1)}))
+
+
+def overhead(env: dict[str, str], folder: Path, stages: int, repeats: int, store: str, tracking_uri: str) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    out = subprocess.run([sys.executable, __file__, "--overhead-child", str(folder), str(stages), str(repeats), store,
+                          tracking_uri], env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    if out.returncode != 0:
+        raise SystemExit(f"no-op chain failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def demo(env: dict[str, str], cwd: Path, overrides: list[str]) -> float:
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(DEMO), *overrides], env=env, cwd=cwd,
+                         capture_output=True, text=True, timeout=1800)
+    seconds = time.perf_counter() - started
+    if out.returncode != 0:
+        raise SystemExit(f"demo failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return round(seconds, 2)
+
+
+def start_stack(folder: Path) -> tuple[dict[str, str], dict[str, Any], list]:
+    import boto3
+    from auth_servers import mlflow_server, prefect_server
+    from mlflow_server import s3_environment
+    from postgres import start_postgres
+    from ray_cluster import start_cluster
+
+    stops: list = []
+    moto_port = __import__("auth_servers").free_port()
+    moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(moto_port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stops.append(moto.kill)
+    endpoint = f"http://127.0.0.1:{moto_port}"
+    s3 = {**s3_environment(endpoint), "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": secrets.token_hex(8)}
+    bucket = f"bench-{uuid.uuid4().hex[:8]}"
+    for _ in range(60):
+        try:
+            boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="bench",
+                         aws_secret_access_key=s3["AWS_SECRET_ACCESS_KEY"]).create_bucket(Bucket=bucket)
+            break
+        except Exception:
+            time.sleep(0.5)
+    pg = start_postgres(Path(f"/tmp/pgb{uuid.uuid4().hex[:6]}"))
+    stops.append(pg.remove)
+    for db in ("prefect", "mlflow", "mlflow_auth"):
+        pg.createdb(db)
+    prefect = prefect_server(folder / "prefect", pg.url("prefect", "postgresql+asyncpg"),
+                             f"omni:{secrets.token_urlsafe(12)}")
+    stops.append(prefect.stop)
+    mlflow = mlflow_server(folder / "mlflow", pg.url("mlflow", "postgresql+psycopg"), f"s3://{bucket}/mlflow",
+                           pg.url("mlflow_auth", "postgresql+psycopg"), secrets.token_urlsafe(18), s3)
+    stops.append(mlflow.stop)
+    cluster = start_cluster(head_cpus=1, token=secrets.token_hex(32))
+    stops.append(cluster.stop)
+    cluster.add_node(num_cpus=2)
+    env = {**os.environ, **s3, **prefect.client_env(), **mlflow.client_env(), **cluster.driver_env({}),
+           "COLUMNS": "200"}
+    return env, {"bucket": bucket, "mlflow": mlflow.url, "ray": cluster.address}, stops
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--overhead-child":
+        folder, stages, repeats, store, tracking_uri = sys.argv[2:7]
+        overhead_child(Path(folder), int(stages), int(repeats), store, tracking_uri)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="10 no-op stages x1, the demo's rl stage 1 step")
+    parser.add_argument("--json", action="store_true", help="print one JSON object of the figures last")
+    args = parser.parse_args()
+    stages, repeats = (10, 1) if args.quick else (20, 3)
+    demo_overrides = ["stages.rl.trainer.total_steps=1"] if args.quick else []
+    figures: dict[str, Any] = {"noop_chain_stages": stages, "noop_chain_repeats": repeats, "quick": args.quick}
+    with tempfile.TemporaryDirectory(prefix="omni-bench-scaled-") as tmp:
+        folder = Path(tmp)
+        embedded = {**os.environ, "PREFECT_HOME": str(folder / "embedded-prefect"),
+                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "COLUMNS": "200"}
+        for name in ("PREFECT_API_URL", "RAY_ADDRESS"):
+            embedded.pop(name, None)
+        started = time.perf_counter()
+        env, where, stops = start_stack(folder / "stack")
+        figures["stack_start_s"] = round(time.perf_counter() - started, 1)
+        try:
+            figures["embedded_stage_overhead"] = overhead(embedded, folder / "noop-embedded", stages, repeats,
+                                                          str(folder / "noop-store"),
+                                                          f"sqlite:///{folder / 'noop-mlflow.db'}")
+            figures["stack_stage_overhead"] = overhead(env, folder / "noop-stack", stages, repeats,
+                                                       f"s3://{where['bucket']}/noop", where["mlflow"])
+            (folder / "demo-embedded").mkdir()
+            figures["embedded_demo_s"] = demo(embedded, folder / "demo-embedded", [
+                f"store={folder / 'demo-store'}", f"tracking_uri=sqlite:///{folder / 'demo-mlflow.db'}",
+                *demo_overrides])
+            figures["stack_demo_s"] = demo(env, folder, [
+                f"store=s3://{where['bucket']}/demo", f"tracking_uri={where['mlflow']}", f"ray.address={where['ray']}",
+                *demo_overrides])
+        finally:
+            for stop in reversed(stops):
+                stop()
+    ratio = figures["stack_stage_overhead"]["median_ms"] / figures["embedded_stage_overhead"]["median_ms"]
+    figures["stage_overhead_ratio"] = round(ratio, 2)
+    figures["target_met"] = bool(ratio <= 2.0)
+    print(f"per-stage overhead ({stages} no-op stages x{repeats}): embedded "
+          f"{figures['embedded_stage_overhead']['median_ms']} ms, stack {figures['stack_stage_overhead']['median_ms']} ms"
+          f" -> {figures['stage_overhead_ratio']}x (target <= 2x: {'met' if figures['target_met'] else 'NOT met'})")
+    print(f"demo pipeline: embedded {figures['embedded_demo_s']} s, stack {figures['stack_demo_s']} s "
+          f"(stack started in {figures['stack_start_s']} s)")
+    if args.json:
+        print(json.dumps(figures, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

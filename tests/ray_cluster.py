@@ -1,0 +1,139 @@
+"""A real multi-node Ray cluster on 127.0.0.1 for tests: `ray start --head` and `ray start --address`
+processes (each with `--block`, in its own process group and temp dir, with free ports), started
+WITHOUT the driver's store and tracking variables (a cluster's nodes never saw the driver's shell)
+and without this checkout on their PYTHONPATH; optionally with Ray's token authentication on."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DRIVER_ONLY_PREFIXES = ("OMNI_S3_", "AWS_", "MLFLOW_", "PYTHONPATH", "RAY_ADDRESS", "PREFECT_")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_env(token: str | None) -> dict[str, str]:
+    """The environment of a cluster node: the driver's without its S3, MLflow, Prefect and code settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(DRIVER_ONLY_PREFIXES)}
+    env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token} if token else {"RAY_AUTH_MODE": "disabled"})
+    return env
+
+
+@dataclass
+class RayCluster:
+    temp: str
+    port: int
+    dashboard: int
+    token: str | None
+    nodes: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def job_server(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard}"
+
+    def driver_env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """An environment for a driver process of this cluster (its token when auth is on)."""
+        env = dict(os.environ if base is None else base)
+        env.pop("RAY_ADDRESS", None)
+        env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token} if self.token
+                   else {"RAY_AUTH_MODE": "disabled"})
+        return env
+
+    def _start(self, args: list[str], name: str) -> subprocess.Popen:
+        ray_bin = Path(sys.executable).with_name("ray")
+        log = Path(self.temp) / f"{name}.log"
+        ports = [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                 f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+                 f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}"]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([str(ray_bin), "start", "--block", "--node-ip-address=127.0.0.1",
+                                     "--disable-usage-stats", f"--temp-dir={self.temp}", *ports, *args],
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=node_env(self.token), cwd="/")
+        self.nodes.append(proc)
+        self.logs.append(log)
+        return proc
+
+    def add_node(self, num_cpus: int, resources: dict[str, float] | None = None, wait: float = 120) -> subprocess.Popen:
+        before = {n["raylet"]["nodeId"] for n in self.alive_nodes()}  # (a node just lost may still count)
+        proc = self._start([f"--address={self.address}", f"--num-cpus={num_cpus}",
+                            f"--resources={json.dumps(resources or {})}"], f"node{len(self.nodes)}")
+        deadline = time.monotonic() + wait
+        while not {n["raylet"]["nodeId"] for n in self.alive_nodes()} - before:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray worker node did not join: {self.logs[-1].read_text()[-3000:]}")
+            time.sleep(1)
+        return proc
+
+    def alive_nodes(self) -> list[dict]:
+        """The cluster's alive nodes, from its dashboard (with the token when auth is on)."""
+        import urllib.request
+
+        request = urllib.request.Request(f"{self.job_server}/nodes?view=summary")
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(request, timeout=5) as r:
+                summary = json.load(r)["data"]["summary"]
+        except OSError:
+            return []
+        return [n for n in summary if n.get("raylet", {}).get("state") == "ALIVE"]
+
+    def stop(self) -> None:
+        """Every node's process group, then any process of this cluster that left it (found by its
+        temp dir on their command line); the temp dir."""
+        import psutil
+
+        for proc in self.nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.nodes:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if any(self.temp in part for part in p.info["cmdline"] or ()):
+                    p.kill()
+            except psutil.Error:
+                pass
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def start_cluster(head_cpus: int = 1, head_resources: dict[str, float] | None = None,
+                  token: str | None = None, wait: float = 120) -> RayCluster:
+    """A head node with its job server; add worker nodes with `add_node`."""
+    cluster = RayCluster(tempfile.mkdtemp(prefix="rc", dir="/tmp"), free_port(), free_port(), token)
+    head = cluster._start(["--head", f"--port={cluster.port}", f"--num-cpus={head_cpus}",
+                           f"--resources={json.dumps(head_resources or {})}", "--include-dashboard=true",
+                           "--dashboard-host=127.0.0.1", f"--dashboard-port={cluster.dashboard}",
+                           f"--ray-client-server-port={free_port()}"], "head")
+    deadline = time.monotonic() + wait
+    while not cluster.alive_nodes():
+        if head.poll() is not None or time.monotonic() > deadline:
+            log = cluster.logs[0].read_text()[-3000:]
+            cluster.stop()
+            raise RuntimeError(f"ray head did not start: {log}")
+        time.sleep(1)
+    return cluster

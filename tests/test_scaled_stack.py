@@ -1,0 +1,269 @@
+"""THE SCALED-OUT STACK, END TO END (slow; one stack for the module, started once): on 127.0.0.1,
+a fresh Postgres cluster (Debian's postgresql, a temporary folder, a non-root owner) holding
+Prefect's, MLflow's and MLflow's user store's databases; `prefect server` on it with basic auth and
+a Prefect process worker; `mlflow server --app-name basic-auth` on it with artifacts on S3; moto as
+S3; a two-node Ray cluster with token auth whose nodes lack the driver's S3 variables. Then:
+`omni deploy`, a run of `pipeline/local` created through the Prefect API (as the UI's Run button
+does) pointing the digits pipeline (ingest -> rl -> eval -> register) at the S3 store, the MLflow
+server and the cluster; it completes, the rl stage's actors ran on the cluster's worker node, the
+registered model's lineage and `omni verify --store s3://...` pass. Faults: Postgres restarted
+while the servers run (the next run succeeds, no earlier run lost); unauthenticated calls refused
+by Prefect, MLflow and the Ray job server; no secret in a dump of the databases or in a log (the
+servers', the worker's, Postgres', every Ray log); the worker node's raylet SIGKILLed during a
+training, a replacement node started: the stage resumes from its last checkpoint and ends with the
+weights of an uninterrupted run. Not tried here: the Prefect worker SIGKILLed during a run.
+About 12 minutes on a busy 2-core machine (the stack starts in ~2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from auth_servers import mlflow_server, prefect_server, stop
+from mlflow_server import s3_environment
+from pipeline_runs import digits_pipeline
+from postgres import pg_bin, start_postgres
+from ray_cluster import start_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+POOL = "omni-process"
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(pg_bin() is None, reason="Debian's postgresql is not installed")]
+
+
+@pytest.fixture(scope="module")
+def stack(moto_server: str, tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Any:
+    import boto3
+
+    folder = tmp_path_factory.mktemp("stack")
+    secrets_ = {"prefect": f"omni:{secrets.token_urlsafe(16)}", "mlflow": secrets.token_urlsafe(18),
+                "ray": secrets.token_hex(32), "s3": f"stack-{secrets.token_hex(8)}"}
+    s3 = {**s3_environment(moto_server), "AWS_ACCESS_KEY_ID": "stack-key", "AWS_SECRET_ACCESS_KEY": secrets_["s3"]}
+    bucket = f"stack-{uuid.uuid4().hex[:10]}"
+    client = boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1",
+                          aws_access_key_id="stack-key", aws_secret_access_key=secrets_["s3"])
+    client.create_bucket(Bucket=bucket)
+    started: list[Any] = []
+    try:
+        pg = start_postgres(Path(f"/tmp/pg{uuid.uuid4().hex[:6]}"))
+        started.append(pg.remove)
+        for db in ("prefect", "mlflow", "mlflow_auth"):
+            pg.createdb(db)
+        prefect = prefect_server(folder / "prefect", pg.url("prefect", "postgresql+asyncpg"), secrets_["prefect"])
+        started.append(prefect.stop)
+        mlflow = mlflow_server(folder / "mlflow", pg.url("mlflow", "postgresql+psycopg"), f"s3://{bucket}/mlflow",
+                               pg.url("mlflow_auth", "postgresql+psycopg"), secrets_["mlflow"], s3)
+        started.append(mlflow.stop)
+        cluster = start_cluster(head_cpus=1, token=secrets_["ray"])
+        started.append(cluster.stop)
+        cluster.add_node(num_cpus=2, resources={"omni_worker": 4})
+        env = {**os.environ, **s3, **prefect.client_env(), **mlflow.client_env(), **{
+            k: v for k, v in cluster.driver_env({}).items()}, "OMNI_CACHE_DIR": str(model_cache),
+            "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+        for var in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "RAY_ADDRESS", "MLFLOW_TRACKING_URI"):
+            env.pop(var, None)
+        deployed = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "local"],
+                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        worker_log = folder / "worker.log"
+        with open(worker_log, "wb") as out:
+            worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
+                                      cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        started.append(lambda: stop(worker))
+        yield {"folder": folder, "pg": pg, "prefect": prefect, "mlflow": mlflow, "cluster": cluster, "env": env,
+               "bucket": bucket, "secrets": secrets_, "worker_log": worker_log, "deploy_out": deployed.stdout}
+    finally:
+        for stop_ in reversed(started):
+            stop_()
+
+
+@contextmanager
+def api(stack: dict) -> Iterator[Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    prefect = stack["prefect"]
+    with temporary_settings(updates={PREFECT_API_URL: prefect.url, PREFECT_API_AUTH_STRING: prefect.auth}), \
+            get_client(sync_client=True) as client:
+        yield client
+
+
+def run_deployment(stack: dict, parameters: dict, timeout: float = 540) -> Any:
+    with api(stack) as client:
+        deployment = client.read_deployment_by_name("pipeline/local")
+        flow_run = client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
+        deadline = time.monotonic() + timeout
+        while True:
+            run = client.read_flow_run(flow_run.id)
+            if run.state is not None and run.state.is_final():
+                return run
+            assert time.monotonic() < deadline, f"flow run {run.state}: {stack['worker_log'].read_text()[-4000:]}"
+            time.sleep(2)
+
+
+def pipeline_file(stack: dict, seed: int) -> Path:
+    workdir = stack["folder"] / f"p{seed}"
+    workdir.mkdir(exist_ok=True)
+    config = digits_pipeline(workdir, name="stack", store=f"s3://{stack['bucket']}/omni",
+                             tracking_uri=stack["mlflow"].url, seed=seed, model_name="stack-digits", samples=4)
+    config["ray"] = {"address": stack["cluster"].address}
+    path = workdir / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def omni(stack: dict, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=stack["env"],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def first_run(stack: dict) -> Any:
+    path = pipeline_file(stack, seed=0)
+    return path, run_deployment(stack, {"pipeline_file": str(path), "overrides": []})
+
+
+def test_unauthenticated_calls_are_refused(stack: dict) -> None:
+    assert httpx.post(f"{stack['prefect'].url}/flows/filter", json={}).status_code == 401
+    assert httpx.get(f"{stack['mlflow'].url}/api/2.0/mlflow/experiments/search?max_results=1",
+                     timeout=60).status_code == 401
+    assert httpx.get(f"{stack['cluster'].job_server}/api/jobs/", timeout=30).status_code == 401
+
+
+def test_a_deployment_run_on_the_stack_completes_on_the_cluster(stack: dict, first_run: Any) -> None:
+    path, run = first_run
+    assert run.state.is_completed(), f"{run.state}: {stack['worker_log'].read_text()[-4000:]}"
+    # the rl stage's actors ran on the cluster, on its worker node (the head has 1 CPU, no room)
+    cluster = stack["cluster"]
+    response = httpx.get(f"{cluster.job_server}/api/v0/actors", params={"detail": "1", "limit": "1000"},
+                         headers={"Authorization": f"Bearer {cluster.token}"}, timeout=30)
+    actors = response.json()["data"]["result"]["result"]
+    trainers = [a for a in actors if a.get("class_name") == "TrainerWorker"]
+    nodes = {n["raylet"]["nodeId"] for n in cluster.alive_nodes()}
+    assert trainers and all(a["node_id"] in nodes for a in trainers), trainers
+    lineage = omni(stack, "lineage", "models:/stack-digits", "--pipeline", str(path), "--json")
+    assert lineage.returncode == 0, lineage.stdout + lineage.stderr
+    verify = omni(stack, "verify", "--store", f"s3://{stack['bucket']}/omni")
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_postgres_restarted_next_run_succeeds_and_no_run_is_lost(stack: dict, first_run: Any) -> None:
+    _, first = first_run
+    stack["pg"].restart()  # the Prefect and MLflow servers keep running
+    path = pipeline_file(stack, seed=0)  # the same pipeline: its stages come from the stage cache
+    again = run_deployment(stack, {"pipeline_file": str(path), "overrides": []})
+    assert again.state.is_completed(), f"{again.state}: {stack['worker_log'].read_text()[-4000:]}"
+    with api(stack) as client:
+        assert client.read_flow_run(first.id).state.is_completed()
+    from mlflow import MlflowClient
+
+    os.environ.update(stack["mlflow"].client_env())
+    try:
+        client = MlflowClient(stack["mlflow"].url)
+        runs = client.search_runs([client.get_experiment_by_name("stack").experiment_id],
+                                  filter_string="attributes.status = 'FINISHED'")
+    finally:
+        for name in stack["mlflow"].client_env():
+            os.environ.pop(name, None)
+    assert len({r.data.tags.get("omni.prefect.flow_run_id", r.info.run_id) for r in runs}) >= 2
+
+
+def test_no_secret_in_a_database_dump_or_a_log(stack: dict, first_run: Any) -> None:
+    pg = stack["pg"]
+    texts = {f"pg_dump {db}": pg.dump(db) for db in ("prefect", "mlflow", "mlflow_auth")}
+    ray_logs = [p for p in Path(stack["cluster"].temp).glob("session_*/logs/*") if p.is_file()]
+    assert ray_logs
+    logs = [stack["prefect"].log, stack["mlflow"].log, stack["worker_log"], *stack["cluster"].logs,
+            pg.folder / "postgres.log", *ray_logs]
+    texts.update({str(p): p.read_text(errors="replace") for p in logs})
+    values = {name: value for name, value in stack["secrets"].items()}
+    values["prefect"] = values["prefect"].split(":", 1)[1]
+    for where, text in texts.items():
+        for name, value in values.items():
+            assert value not in text, f"the {name} secret is in {where}"
+    assert "pipeline/local" in stack["deploy_out"]
+
+
+def fault_pipeline(stack: dict, store: str, address: str) -> Path:
+    workdir = stack["folder"] / f"fault-{address.replace(':', '-').replace('.', '-')}"
+    workdir.mkdir(exist_ok=True)
+    config = digits_pipeline(workdir, name="stack-fault", store=store, tracking_uri=stack["mlflow"].url, seed=5,
+                             model_name="stack-fault", samples=4)
+    config["ray"] = {"address": address, **({"num_cpus": 2} if address == "local" else {})}
+    rl = next(s for s in config["stages"] if s["name"] == "rl")
+    rl["trainer"]["total_steps"] = 6
+    rl["checkpoint"] = {"save_freq": 1}
+    rl["execution"] = {"retry_backoff_s": 1.0}
+    if address != "local":  # every actor on a worker node (the head has no omni_worker)
+        rl["resources"] = {role: {"CPU": 1 if role != "reward" else 0, "omni_worker": 1}
+                           for role in ("trainer", "rollout", "reward")}
+    path = workdir / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def train(stack: dict, path: Path, **popen: Any) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "omni_core.training", "run", str(path), "--stage", "rl"],
+                            cwd=ROOT, env=stack["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **popen)
+
+
+def test_a_worker_node_lost_during_training_resumes_and_ends_with_the_same_weights(stack: dict) -> None:
+    """The worker node's raylet SIGKILLed after the second checkpoint; the test starts a replacement
+    node; the stage resumes from its last checkpoint there and ends with the weights of an
+    uninterrupted run (the same stage on a local Ray, another store)."""
+    import psutil
+
+    from omni_core.config import DatasetConfig
+    from omni_core.data import ingest
+    from omni_core.storage import Store
+
+    cluster = stack["cluster"]
+    store = f"s3://{stack['bucket']}/fault"
+    local_store = str(stack["folder"] / "fault-local-store")
+    dataset = DatasetConfig(source="fixtures://digits?rows=16&seed=0", converter="digits")
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("OMNI_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+            mp.setenv(name, stack["env"][name])
+        versions = {ingest(Store(s), "digits", dataset, progress=lambda _: None).version for s in (store, local_store)}
+        assert len(versions) == 1
+        s3 = Store(store)
+        proc = train(stack, fault_pipeline(stack, store, cluster.address))
+        worker_node = cluster.nodes[1]
+        try:
+            deadline = time.monotonic() + 300
+            while not any("global_step_2/_manifest.json" in k for k in s3.list("runs/stack-fault")):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-4000:]
+                time.sleep(0.5)
+            raylets = [p for p in psutil.Process(worker_node.pid).children(recursive=True) if "raylet" in p.name()]
+            assert raylets, "no raylet under the worker node's `ray start`"
+            for p in raylets:
+                p.kill()
+            cluster.add_node(num_cpus=2, resources={"omni_worker": 4})  # the replacement
+            out, _ = proc.communicate(timeout=420)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["global_step"] == 6 and result["recoveries"] >= 1, out[-3000:]
+    assert "restart" in out.lower() or "recover" in out.lower(), out[-3000:]
+    local = train(stack, fault_pipeline(stack, local_store, "local"))
+    local_out, _ = local.communicate(timeout=420)
+    assert local.returncode == 0, local_out[-4000:]
+    uninterrupted = json.loads(local_out.strip().splitlines()[-1])
+    assert uninterrupted["recoveries"] == 0
+    assert result["weights_sha256"] == uninterrupted["weights_sha256"]
