@@ -122,7 +122,8 @@ class MlflowServer:
                "MLFLOW_AUTH_ADMIN_USERNAME": self.username, "MLFLOW_AUTH_ADMIN_PASSWORD": self.password,
                "MLFLOW_FLASK_SERVER_SECRET_KEY": self.secret_key,
                "AWS_CONFIG_FILE": str(self.folder / "no-aws-config"),
-               "AWS_SHARED_CREDENTIALS_FILE": str(self.folder / "no-aws-credentials")}
+               "AWS_SHARED_CREDENTIALS_FILE": str(self.folder / "no-aws-credentials"),
+               "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no GenAI job runner (~5 processes)
         for var in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
             env.pop(var, None)
         port = self.url.rsplit(":", 1)[1]

@@ -86,7 +86,10 @@ def mlflow_server(moto_server: str, tmp_path_factory: pytest.TempPathFactory) ->
     port = _free_port()
     backend = f"sqlite:///{folder / 'mlflow.db'}"
     env = {**os.environ, **s3_env, "AWS_CONFIG_FILE": str(folder / "no-aws-config"),
-           "AWS_SHARED_CREDENTIALS_FILE": str(folder / "no-aws-credentials")}
+           "AWS_SHARED_CREDENTIALS_FILE": str(folder / "no-aws-credentials"),
+           # MLflow's job runner (a huey consumer per job queue, for GenAI jobs we never submit) would
+           # start ~5 extra processes per server
+           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     for var in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "MLFLOW_TRACKING_URI"):
         env.pop(var, None)
     server = MlflowServer(f"http://127.0.0.1:{port}", bucket, moto_server, backend, folder / "server.log")
