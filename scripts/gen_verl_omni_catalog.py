@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 
 from omni_core.backends.verl_omni.catalog import VERL_OMNI_COMMIT
-from omni_core.backends.verl_omni.render import OPTION_KEYS, split_override
+from omni_core.backends.verl_omni.render import ENV_DROP, OPTION_KEYS, split_override
+from omni_core.backends.verl_omni.render import infer_substitutions as substitutions
 from omni_core.backends.verl_omni.script import parse_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,42 +104,6 @@ META = {
              data_layout="{train,test}.parquet: text prompts; dancegrpo_trainer/data_process/wan22_hpsv3.py"),
     ],
 }
-ENV_DROP = {"WANDB_MODE": "W&B is replaced by MLflow", "CUDA_VISIBLE_DEVICES": "Ray assigns the GPUs",
-            "PYTHONPATH": "verl-omni is installed in the image (the script points at its checkout)"}
-
-
-def substitutions(base: list[str]) -> dict[str, str]:
-    subs: dict[str, str] = {}
-    model_value = None
-    for item in base:
-        _, key, value = split_override(item)
-        if key == "actor_rollout_ref.model.path":
-            model_value = value
-    for item in base:
-        _, key, value = split_override(item)
-        if key == "data.train_files":
-            subs[key] = "train_files"
-        elif key == "data.val_files":
-            subs[key] = "val_files"
-        elif key == "actor_rollout_ref.model.path" or (key.endswith("tokenizer_path") and value == model_value):
-            subs[key] = "model"
-        elif key == "trainer.logger":
-            subs[key] = "logger"
-        elif key == "trainer.default_local_dir":
-            subs[key] = "default_local_dir"
-        elif key in ("trainer.rollout_data_dir", "trainer.validation_data_dir"):
-            subs[key] = "run_dir"
-        elif key == "trainer.experiment_name" and "${" in value:
-            subs[key] = "experiment_name"
-        elif "verl_omni/utils/" in value and not value.startswith("pkg://"):
-            subs[key] = "package_file"
-        elif value == "${BAGEL_DEPLOY_CONFIG}":
-            subs[key] = "examples_file:flowgrpo_trainer/bagel/bagel_deploy_config.yaml"
-    subs.setdefault("trainer.logger", "logger")
-    subs.setdefault("trainer.default_local_dir", "default_local_dir")
-    return subs
-
-
 def example(base: list[str], algorithm: str) -> dict[str, object]:
     values = {key: value for _, key, value in map(split_override, base)}
     out: dict[str, object] = {"algorithm": algorithm}

@@ -249,7 +249,11 @@ def parse_options(options: dict[str, Any]) -> RecipeOptions:
 
 def render_recipe(name: str, options: RecipeOptions | dict[str, Any] | None, paths: RecipePaths) -> RecipeCommand:
     """The command for recipe `name` with our stage `options` and `paths`."""
-    recipe = get_recipe(name)
+    return render_with(get_recipe(name), options, paths)
+
+
+def render_with(recipe: Recipe, options: RecipeOptions | dict[str, Any] | None, paths: RecipePaths) -> RecipeCommand:
+    """The command for `recipe` (a catalog one, or custom_recipe(...) for an imported script)."""
     opts = options if isinstance(options, RecipeOptions) else parse_options(options or {})
     _check_paths(paths)
     rows = [list(split_override(item)) for item in recipe.base]
@@ -283,3 +287,59 @@ def render_recipe(name: str, options: RecipeOptions | dict[str, Any] | None, pat
             raise ConfigError(f"backend.env.{k}: {v!r} names a folder of the script's machine; set backend.env.{k}")
     return RecipeCommand(recipe=recipe.name, python=recipe.python, module=recipe.module, overrides=overrides,
                          env=env, substituted=substituted)
+
+
+ENV_DROP = {"WANDB_MODE": "W&B is replaced by MLflow", "CUDA_VISIBLE_DEVICES": "Ray assigns the GPUs",
+            "PYTHONPATH": "verl-omni is installed in the image (the script points at its checkout)"}
+
+
+def infer_substitutions(base: list[str]) -> dict[str, str]:
+    """The keys of a script's overrides our pipeline fills in (data, model, logger, checkpoint folder, log
+    folders, verl_omni package files), by key and value."""
+    subs: dict[str, str] = {}
+    rows = [split_override(item) for item in base]
+    model_value = next((v for _, k, v in rows if k == "actor_rollout_ref.model.path"), None)
+    for _, key, value in rows:
+        if key == "data.train_files":
+            subs[key] = "train_files"
+        elif key == "data.val_files":
+            subs[key] = "val_files"
+        elif key == "actor_rollout_ref.model.path" or (key.endswith("tokenizer_path") and value == model_value):
+            subs[key] = "model"
+        elif key == "trainer.logger":
+            subs[key] = "logger"
+        elif key == "trainer.default_local_dir":
+            subs[key] = "default_local_dir"
+        elif key in ("trainer.rollout_data_dir", "trainer.validation_data_dir"):
+            subs[key] = "run_dir"
+        elif key == "trainer.experiment_name" and "${" in value:
+            subs[key] = "experiment_name"
+        elif "verl_omni/utils/" in value and not value.startswith("pkg://"):
+            subs[key] = "package_file"
+        elif value == "${BAGEL_DEPLOY_CONFIG}":
+            subs[key] = "examples_file:flowgrpo_trainer/bagel/bagel_deploy_config.yaml"
+    subs.setdefault("trainer.logger", "logger")
+    subs.setdefault("trainer.default_local_dir", "default_local_dir")
+    return subs
+
+
+def custom_recipe(module: str, overrides: list[str], env: dict[str, str], python: str = "python3") -> Recipe:
+    """A recipe for a script outside the catalog: its overrides verbatim, our substitutions by key."""
+    return Recipe(name="custom", family="custom", script="(imported)", python=python, module=module, env=env,
+                  base=list(overrides), substitutions=infer_substitutions(overrides),
+                  env_drop=[k for k in env if k in ENV_DROP], model="", algorithm="", modalities="", published="",
+                  device="", data_layout="", dataset="")
+
+
+def render_stage(backend: dict[str, Any], paths: RecipePaths) -> RecipeCommand:
+    """`backend: {name: verl_omni, recipe: NAME, ...options}` or `{name: verl_omni, entry_point: MODULE,
+    overrides: [...], env: {...}}` (an imported script outside the catalog) -> the command."""
+    options = {k: v for k, v in backend.items() if k not in ("name", "recipe", "entry_point", "python", "shared_dir")}
+    if backend.get("recipe"):
+        return render_recipe(backend["recipe"], options, paths)
+    if not backend.get("entry_point"):
+        raise ConfigError("backend: a verl_omni stage names a recipe (`omni recipes list`) or an entry_point "
+                          "with its overrides (`omni recipes import run_x.sh` writes one)")
+    custom = custom_recipe(backend["entry_point"], options.pop("overrides", []), options.pop("env", {}),
+                           backend.get("python", "python3"))
+    return render_with(custom, options, paths)
