@@ -33,6 +33,7 @@ def _mount_subcommands() -> None:
     from flows.cli_deploy import register_commands
     from flows.cli_image import image_app
     from flows.cli_lineage import register_commands as register_lineage
+    from flows.cli_recipes import register_commands as register_recipes
     from flows.cli_verify import register_commands as register_verify
 
     app.command("ingest")(ingest_command)
@@ -41,6 +42,7 @@ def _mount_subcommands() -> None:
     register_commands(app)  # deploy, serve, status
     register_verify(app)  # verify
     register_lineage(app)  # lineage
+    register_recipes(app)  # recipes list | show | import
 
 
 _mount_subcommands()
