@@ -58,7 +58,9 @@ def ray_jobs():
     head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
                              f"--port={_free_port()}", "--num-cpus=2", "--node-ip-address=127.0.0.1",
                              "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--include-dashboard=true",
-                             f"--dashboard-agent-listen-port={_free_port()}",  # not 52365: other heads use it
+                             # the agents' default ports (52365, ...) are taken when another head runs
+                             f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+                             f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
                              f"--temp-dir={temp}"], stdout=head_log, stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     try:

@@ -44,13 +44,17 @@ def job_server() -> Any:
     ray_bin = Path(sys.executable).with_name("ray")
     head = subprocess.Popen([str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
                              "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-                             f"--dashboard-port={dashboard}", "--include-dashboard=true", f"--temp-dir={temp}"],
+                             f"--dashboard-port={dashboard}", "--include-dashboard=true", f"--temp-dir={temp}",
+                             # the agents' default ports (52365, ...) are taken when another head runs
+                             # (pytest-xdist workers, a developer's own Ray)
+                             f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             env={**os.environ, "RAY_AUTH_MODE": "disabled"})  # no token to hand out in a test
     from ray.job_submission import JobSubmissionClient
 
     address = f"http://127.0.0.1:{dashboard}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 240  # a cold start on a loaded 2-core machine
     while True:  # up once it takes a job: the dashboard answers before its job agent is ready
         try:
             client = JobSubmissionClient(address)
