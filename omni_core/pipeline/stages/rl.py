@@ -201,6 +201,9 @@ def save_reward_curve(ctx: Any, run_id: str | None) -> dict[str, Any] | None:
 
 
 def run_rl(ctx: Any) -> dict[str, Any]:
+    if ctx.stage.backend != "native":
+        raise ConfigError(f"stages.{ctx.stage.name}.backend: running verl jobs from a pipeline is not wired yet; "
+                          "`omni plan` shows the job it would submit")
     stage = resolved_stage(ctx)
     key, split, dv = input_dataset(ctx)
     log_training_start(ctx.tracker, ctx.mlflow_run_id, stage, ctx.config.seed, dv, split)
