@@ -185,7 +185,7 @@ ROLES = ("trainer", "rollout", "reward")
 # Keys of the stage that change how it runs, not the weights it trains: left out of the run key.
 RUN_KEY_EXCLUDED = frozenset({"name", "after", "num_cpus", "resources", "checkpoint"})
 RUN_KEY_EXCLUDED_EXECUTION = frozenset({"max_failures", "retry_backoff_s"})
-RUN_KEY_EXCLUDED_BACKEND = frozenset({"python", "shared_dir", "env"})
+RUN_KEY_EXCLUDED_BACKEND = frozenset({"python", "shared_dir", "env", "entrypoint_resources"})
 
 
 class ModelFrom(Strict):
