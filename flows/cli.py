@@ -75,6 +75,7 @@ def run(
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides: stages.rl.trainer.total_steps=3")] = None,
     force: Annotated[list[str] | None, typer.Option("--force", metavar="STAGE",
                                                     help="Redo this stage although cached (repeatable).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan (as `omni plan`) and run nothing.")] = False,
 ) -> None:
     """Run a pipeline end to end (Prefect flow; stages on Ray; lineage in MLflow). Stages whose config
     and inputs are unchanged since they last finished are taken from the cache in the store."""
@@ -83,6 +84,9 @@ def run(
 
     config = load_pipeline(pipeline_file, overrides or [])
     check_force(config, force)
+    if dry_run:
+        plan(pipeline_file, overrides)
+        return
     Store(config.store).check_writable()  # fail in a second, not after starting Prefect and Ray
     prefect_home = use_embedded_prefect()
     console.print(f"[bold]omni[/bold] running pipeline [cyan]{config.name}[/cyan] "
@@ -94,6 +98,26 @@ def run(
     started = time.perf_counter()
     summary = pipeline(pipeline_file=str(pipeline_file), overrides=list(overrides or []), force=list(force or []))
     print_summary(config, summary, time.perf_counter() - started, prefect_home)
+
+
+@app.command()
+def plan(
+    pipeline_file: Annotated[Path, typer.Argument(help="Pipeline YAML file.")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides: stages.rl.trainer.total_steps=3")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as one JSON list.")] = False,
+) -> None:
+    """Print what every stage would do, in run order, and run nothing; for a verl stage its Ray Job's
+    entry point, runtime environment (credentials redacted) and the files it stages."""
+    import json
+
+    from omni_core.pipeline.plan import format_plan, plan_pipeline
+
+    config = load_pipeline(pipeline_file, overrides or [])
+    entries = plan_pipeline(config)
+    if as_json:
+        print(json.dumps(entries, indent=2))
+    else:
+        console.print(escape(format_plan(entries)))
 
 
 def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect_home: str | None) -> None:

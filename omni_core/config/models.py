@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from omni_core.backends.verl.options import VerlBackend
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -201,6 +203,7 @@ ROLES = ("trainer", "rollout", "reward")
 # Keys of the stage that change how it runs, not the weights it trains: left out of the run key.
 RUN_KEY_EXCLUDED = frozenset({"name", "after", "num_cpus", "resources", "checkpoint"})
 RUN_KEY_EXCLUDED_EXECUTION = frozenset({"max_failures", "retry_backoff_s"})
+RUN_KEY_EXCLUDED_BACKEND = frozenset({"python", "shared_dir", "env", "entrypoint_resources"})
 
 
 class ModelFrom(Strict):
@@ -250,6 +253,19 @@ class RLStage(StageBase):
     resources: dict[Literal["trainer", "rollout", "reward"], dict[str, Annotated[float, Field(ge=0)]]] = Field(
         default_factory=dict, description="Ray resources per role, e.g. {rollout: {CPU: 1, GPU: 1}}; defaults: "
                                           "trainer CPU num_cpus, rollout CPU 1, reward CPU 0.")
+    backend: Literal["native"] | VerlBackend = Field(
+        "native", description="native: our trainer on Ray (default); {name: verl, shared_dir, python, nnodes, "
+                              "n_gpus_per_node, overrides, env}: verl's trainer as a Ray Job (README: Running on verl).")
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _backend_by_name(cls, value: Any) -> Any:
+        if value == "verl":
+            raise ValueError("backend: verl needs its options: write backend: {name: verl, shared_dir: PATH} "
+                             "(shared_dir: a path every Ray node sees)")
+        if isinstance(value, dict) and value.get("name", "verl") != "verl":
+            raise ValueError(f"backend.name: {value.get('name')!r}; use native (our trainer) or verl")
+        return value
 
     @field_validator("algorithm", mode="before")
     @classmethod
@@ -300,6 +316,8 @@ class RLStage(StageBase):
         for key in ("adapter", "adapter_stage", "lora"):
             if data.get(key, "") is None:
                 del data[key]
+        if data.get("backend") == "native":  # the default: digests and run keys stay what they were
+            del data["backend"]
         uses = self.record.stage_keys
         for section in ("trainer", "rollout", "reward"):
             if section not in data:
@@ -525,6 +543,14 @@ class PipelineConfig(Strict):
                     raise ValueError(f"stages.{stage.name}.{field}: '{key}' is not under datasets: ({known})")
             if isinstance(stage, RLStage) and (problem := _rl_stage_problem(stage, self.datasets)):
                 raise ValueError(problem)
+            if isinstance(stage, RLStage) and isinstance(stage.backend, VerlBackend):
+                from omni_core.backends.verl.stage import verl_problem
+
+                if problem := verl_problem(stage):
+                    raise ValueError(problem)
+                if self.ray.address == "local":
+                    raise ValueError(f"ray.address: local, but stage {stage.name} runs on verl as a Ray Job: set "
+                                     "ray.address to the cluster's job server (the dashboard URL, http://HOST:8265)")
         self.ordered_stages()  # raises on a cycle
         for stage in self.stages:  # checks that need the whole graph (an eval's upstream rl stage, ...)
             if (check := getattr(stage, "pipeline_problem", None)) and (problem := check(self)):

@@ -17,7 +17,13 @@ from typing import Any
 import ray
 
 import omni_core
-from omni_core.config.models import RUN_KEY_EXCLUDED, RUN_KEY_EXCLUDED_EXECUTION, RayConfig, RLStage
+from omni_core.config.models import (
+    RUN_KEY_EXCLUDED,
+    RUN_KEY_EXCLUDED_BACKEND,
+    RUN_KEY_EXCLUDED_EXECUTION,
+    RayConfig,
+    RLStage,
+)
 from omni_core.data.ingest import read_rows
 from omni_core.errors import DataError
 from omni_core.storage import Store
@@ -44,6 +50,8 @@ def run_key_payload(stage: RLStage, seed: int, dataset_version: str) -> dict[str
     spec["execution"] = {k: v for k, v in spec["execution"].items() if k not in RUN_KEY_EXCLUDED_EXECUTION}
     if isinstance(spec.get("model"), dict):  # `model: {from: STAGE}`: the upstream weights' digest, not where they are
         spec["model"] = {k: v for k, v in spec["model"].items() if k != "uri"}
+    if isinstance(spec.get("backend"), dict):  # where verl runs (interpreter, shared path, env), not what it trains
+        spec["backend"] = {k: v for k, v in spec["backend"].items() if k not in RUN_KEY_EXCLUDED_BACKEND}
     return {"stage": spec, "seed": seed, "dataset_version": dataset_version}
 
 

@@ -37,7 +37,9 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 FORWARDED_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION",
                  "AWS_ENDPOINT_URL", "OMNI_S3_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL", "MLFLOW_TRACKING_USERNAME",
                  "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "HF_TOKEN")
-STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - ")
+LOG_SETTLE_READS = 3
+LOG_SETTLE_S = 0.5
+STEP_LINE = re.compile(r"(?<![A-Za-z0-9_])step:(\d+) - ")  # also right after a tqdm bar: "...]step:1 - "
 _ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -106,7 +108,7 @@ def follow(client: Any, job_id: str, *, total_steps: int, progress: Callable[[st
     """Poll until the job ends; returns its final status (SUCCEEDED, FAILED or STOPPED).
 
     A timeout stops the job (as cancelling the flow run should) and returns STOPPED."""
-    seen, last_step = 0, 0
+    seen, last_step, settled = 0, 0, 0
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed below
     try:
@@ -125,7 +127,13 @@ def follow(client: Any, job_id: str, *, total_steps: int, progress: Callable[[st
             if on_poll is not None:
                 on_poll()
             if status in TERMINAL:
-                return status
+                # the job server may report the end before it has read the job's last output: read the
+                # log until it stops growing (LOG_SETTLE_READS reads in a row with nothing new)
+                settled = settled + 1 if not new else 0
+                if settled >= LOG_SETTLE_READS:
+                    return status
+                time.sleep(LOG_SETTLE_S)
+                continue
             if deadline is not None and time.monotonic() > deadline:
                 stop(client, job_id)
                 progress(f"job {job_id} ran over {timeout_s} s: stopped")

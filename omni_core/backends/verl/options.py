@@ -30,6 +30,9 @@ class VerlBackend(BaseModel):
     overrides: list[str] = Field(default_factory=list, description="Hydra overrides appended verbatim, last.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables of the job "
                                 "(never secrets: those are forwarded by name from the driver).")
+    entrypoint_resources: dict[str, float] | None = Field(
+        None, description="Keyword arguments of Ray's submit_job for the entry point (entrypoint_num_cpus, "
+                          "entrypoint_num_gpus); default: the node's GPUs for sft (torchrun trains in the entry point).")
 
     @field_validator("shared_dir")
     @classmethod

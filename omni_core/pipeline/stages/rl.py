@@ -201,6 +201,8 @@ def save_reward_curve(ctx: Any, run_id: str | None) -> dict[str, Any] | None:
 
 
 def run_rl(ctx: Any) -> dict[str, Any]:
+    if ctx.stage.backend != "native":
+        return run_verl(ctx)
     stage = resolved_stage(ctx)
     key, split, dv = input_dataset(ctx)
     log_training_start(ctx.tracker, ctx.mlflow_run_id, stage, ctx.config.seed, dv, split)
@@ -233,6 +235,48 @@ def run_rl(ctx: Any) -> dict[str, Any]:
     curve = save_reward_curve(ctx, training_run(ctx, result.run_key) if result.reused else ctx.mlflow_run_id)
     if curve:
         ctx.report["reward_curve"] = curve
+    return outputs
+
+
+def run_verl(ctx: Any) -> dict[str, Any]:
+    """The stage on verl (omni_core.backends.verl.runner): a Ray Job on ray.address, then the same
+    outputs, tags and logged model as a native training."""
+    import tempfile
+
+    from omni_core.backends.verl.runner import run_verl_stage
+    from omni_core.training.ray_stage import RLStageResult, _weights_digest
+
+    stage = resolved_stage(ctx)
+    key, split, dv = input_dataset(ctx)
+    log_training_start(ctx.tracker, ctx.mlflow_run_id, stage, ctx.config.seed, dv, split)
+    run_key = rl_run_key(stage, ctx.config.seed, dv.version)
+    if ctx.force:
+        root = stage_prefix(ctx.config.name, run_key, stage.name)
+        ctx.progress(f"stage {stage.name}: --force: training again (uncommitting {root}/{LATEST})")
+        ctx.store.delete(f"{root}/{LATEST}")
+    total = stage.trainer.total_steps
+    ctx.on_step(0, total)
+    with tempfile.TemporaryDirectory(prefix="omni-verl-log-") as logs:
+        manifest = run_verl_stage(
+            pipeline=ctx.config.name, stage=stage, seed=ctx.config.seed, store=ctx.store, dataset=key,
+            version=dv.version, split=split, run_key=run_key, ray_address=ctx.config.ray.address,
+            tracking_uri=ctx.tracker.tracking_uri, mlflow_run_id=ctx.mlflow_run_id, tracker=ctx.tracker,
+            progress=ctx.progress, on_step=ctx.on_step, log_dir=logs)
+    ctx.on_step(total, total)
+    metrics = {} if manifest["reused"] else dict(ctx.tracker.client.get_run(ctx.mlflow_run_id).data.metrics)
+    result = RLStageResult(run_key, manifest["global_step"], manifest["uri"], _weights_digest(manifest), metrics,
+                           manifest["reused"])
+    outputs = {"run_key": run_key, "global_step": result.global_step, "checkpoint_uri": result.checkpoint_uri,
+               "weights_sha256": result.weights_sha256, "dataset_version": dv.version,
+               "final_metrics": metrics, "reused": result.reused, "backend": "verl"}
+    image_tags(ctx)
+    model_from_tags(ctx)
+    outputs["model_id"] = log_training_result(
+        ctx.tracker, ctx.mlflow_run_id, pipeline=ctx.config.name, experiment=ctx.config.name, stage=stage,
+        seed=ctx.config.seed, dataset=f"{key}@{dv.version}:{split}", result=result)
+    if result.reused:
+        found = checkpoint_models(ctx.tracker, ctx.config.name, run_key)
+        outputs["model_id"] = found[0].model_id if found else None
     return outputs
 
 

@@ -1,0 +1,159 @@
+"""An `sft` / `rl` stage with `backend: verl`, run: stage the inputs on the shared path, submit verl's
+command as a Ray Job, follow it while mirroring its checkpoints to the store, then commit the final
+model as our checkpoint.
+
+1. The dataset version is exported (export.export_dataset, content-addressed) and the model staged
+   (export.stage_model) under `backend.shared_dir`.
+2. Before every (re)submission with resume_mode auto, `mirror.prepare_resume` puts the latest mirrored
+   checkpoint back on a shared path that lost it (a new cluster) or refuses a stranded one (verl #7952).
+3. `job.submit` to `ray.address` with the deterministic submission id (a retry after a failed attempt
+   is `-attempt-N`), MLflow's URI and the stage's child run id in the runtime env (verl's own mlflow
+   logger writes `train/loss` into it), credentials forwarded by name.
+4. `job.follow` turns verl's `step:N` lines into progress and the stage's step count, keeps the log
+   (logged as the MLflow artifact `verl/job.log`) and mirrors each committed `global_step_N`.
+5. The result: verl 0.9.1's SFT checkpoint holds FSDP shards (`model_world_size_W_rank_R.pt`) directly
+   in `global_step_N/` and only config and tokenizer in `huggingface/`, so a second Ray Job runs
+   `python -m verl.model_merger merge --backend fsdp` (the cluster's verl, on the shared path) into
+   `global_step_N/merged/`. Its files are added at the top of the mirrored checkpoint folder and the
+   manifest is written again (last) with `weights: model.safetensors`: the folder is then a Hugging Face
+   model (what `eval` loads, `omni verify` checks and the registry points at) and still verl's resume
+   point. The training run is tagged with verl's version, the submission id and the rendered command.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omni_core.backends.verl import export, mirror
+from omni_core.backends.verl.job import _status as job_status
+from omni_core.backends.verl.job import entrypoint_resources, follow, runtime_env, submit
+from omni_core.backends.verl.stage import command, layout, response_field
+from omni_core.errors import ConfigError
+from omni_core.storage import Store
+from omni_core.training.checkpoint import MANIFEST, checkpoint_prefix, latest_checkpoint, stage_prefix
+
+MERGED = "merged"
+VERSION_LINE = re.compile(r"^omni-verl-version=(\d\S*)$", re.MULTILINE)
+
+
+class VerlJobError(RuntimeError):
+    """verl's job ended without the trained checkpoint (failed, stopped, or too few steps). Not an
+    OmniError: the orchestrator retries it (a lost node, a killed trainer), resuming from the mirror."""
+
+
+def _client(address: str) -> Any:
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address)
+
+
+def run_verl_stage(*, pipeline: str, stage: Any, seed: int, store: Store, dataset: str, version: str, split: str,
+                   run_key: str, ray_address: str, tracking_uri: str | None, mlflow_run_id: str | None,
+                   tracker: Any = None, progress: Callable[[str], None] = print,
+                   on_step: Callable[[int, int], None] = lambda step, total: None, log_dir: str | Path,
+                   poll_s: float = 1.0, timeout_s: float | None = None) -> dict[str, Any]:
+    """Train `stage` with verl (module docstring); returns the final checkpoint's manifest plus
+    `reused`, `submission_id` and `verl_version`."""
+    backend = stage.backend
+    total = stage.trainer.total_steps
+    root = stage_prefix(pipeline, run_key, stage.name)
+    done = latest_checkpoint(store, root)
+    if done is not None and done["global_step"] >= total and done.get("weights") \
+            and stage.checkpoint.resume_mode != "disable":
+        progress(f"stage {stage.name}: checkpoint for run key {run_key} already committed; nothing to do")
+        return {**done, "reused": True}
+    exported = export.export_dataset(store, dataset, version, backend.shared_dir, layout(stage),  # type: ignore[arg-type]
+                                     response_field=response_field(stage) or "extra_info.answer")
+    if split not in exported.files:
+        raise ConfigError(f"stages.{stage.name}.data: dataset {dataset}@{version} has no split {split!r}")
+    model = export.stage_model(stage.model_uri, backend.shared_dir, seed=seed)
+    cmd = command(stage, pipeline=pipeline, run_key=run_key, model=model, train_files=exported.files[split], seed=seed)
+    run_dir = Path(cmd.default_local_dir)
+    if stage.checkpoint.resume_mode == "auto":
+        resumed = mirror.prepare_resume(run_dir, store, root)
+        if resumed is not None:
+            progress(f"stage {stage.name}: verl resumes from global_step_{resumed}")
+    client = _client(ray_address)
+    env = runtime_env(cmd, tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id)
+    resources = dict(backend.entrypoint_resources) if backend.entrypoint_resources is not None \
+        else entrypoint_resources(cmd, backend.n_gpus_per_node)
+    job = submit(client, cmd, pipeline=pipeline, stage=stage.name, run_key=run_key, env=env, resources=resources)
+    progress(f"stage {stage.name}: Ray Job {job.submission_id} ({'submitted' if job.submitted else job.status}) "
+             f"on {ray_address}")
+    if tracker is not None and mlflow_run_id:
+        tracker.set_tags(mlflow_run_id, {"omni.backend": "verl", "omni.verl.submission_id": job.submission_id,
+                                         "omni.verl.command": cmd.entrypoint[:5000]})
+        tracker.log_dict(mlflow_run_id, {"entrypoint": cmd.entrypoint, "argv": cmd.argv, "overrides": cmd.overrides,
+                                         "submission_id": job.submission_id}, "verl/command.json")
+
+    def on_progress(line: str) -> None:
+        progress(f"stage {stage.name}: {line}")
+        if match := re.match(r"step (\d+) of", line):
+            on_step(min(int(match.group(1)), total), total)
+
+    keep = stage.checkpoint.max_to_keep
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{job.submission_id}.log"
+    status = follow(client, job.submission_id, total_steps=total, progress=on_progress, poll_s=poll_s,
+                    on_poll=lambda: mirror.mirror_new(run_dir, store, root, keep=keep), log_path=log_path,
+                    timeout_s=timeout_s)
+    if tracker is not None and mlflow_run_id:
+        tracker.client.log_artifact(mlflow_run_id, str(log_path), "verl")
+    mirror.mirror_new(run_dir, store, root, keep=keep)
+    if status != "SUCCEEDED":
+        tail = log_path.read_text()[-2000:] if log_path.exists() else ""
+        raise VerlJobError(f"stage {stage.name}: verl job {job.submission_id} ended {status}; a retry resubmits it "
+                           f"and resumes from the last mirrored checkpoint. Log tail:\n{tail}")
+    step = mirror.local_latest(run_dir)
+    if step is None or step < total:
+        raise VerlJobError(f"stage {stage.name}: verl job {job.submission_id} succeeded but its latest checkpoint is "
+                           f"step {step}, not {total} (is trainer.save_freq overridden?)")
+    verl_version = _merge(client, cmd, run_dir / f"global_step_{step}", job.submission_id, env, poll_s, progress)
+    manifest = _commit_merged(store, root, step, run_dir / f"global_step_{step}" / MERGED,
+                              {"submission_id": job.submission_id, "verl_version": verl_version})
+    if tracker is not None and mlflow_run_id:
+        tracker.set_tags(mlflow_run_id, {"omni.verl.version": verl_version})
+    return {**manifest, "reused": False, "submission_id": job.submission_id, "verl_version": verl_version}
+
+
+def _merge(client: Any, cmd: Any, step_dir: Path, job_id: str, env: dict[str, Any], poll_s: float,
+           progress: Callable[[str], None]) -> str:
+    """verl's model merger as a Ray Job: FSDP shards -> step_dir/merged (a Hugging Face folder)."""
+    python = cmd.argv[0]
+    merge = [python, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(step_dir),
+             "--target_dir", str(step_dir / MERGED)]
+    version = [python, "-c", "import verl; print('omni-verl-version=' + verl.__version__)"]
+    entry = f"{shlex.join(version)} && {shlex.join(merge)}"
+    merge_id = f"{job_id}-merge-{step_dir.name}"
+    status = job_status(client, merge_id)
+    if status in (None, "FAILED", "STOPPED"):
+        if status is not None:
+            client.delete_job(merge_id)
+        client.submit_job(entrypoint=entry, submission_id=merge_id, runtime_env=env, entrypoint_num_cpus=1)
+    progress(f"merging {step_dir.name} into a Hugging Face folder (Ray Job {merge_id})")
+    status = follow(client, merge_id, total_steps=0, progress=lambda _: None, poll_s=poll_s)
+    logs = client.get_job_logs(merge_id)
+    if status != "SUCCEEDED" or not (step_dir / MERGED / "config.json").is_file():
+        raise VerlJobError(f"verl's model merger ({merge_id}) ended {status}: {logs[-2000:]}")
+    found = VERSION_LINE.search(logs)
+    return found.group(1) if found else "unknown"
+
+
+def _commit_merged(store: Store, root: str, step: int, merged: Path, extra: dict[str, Any]) -> dict[str, Any]:
+    """Add the merged Hugging Face files at the top of the mirrored checkpoint and commit its manifest again."""
+    prefix = checkpoint_prefix(root, step)
+    manifest = store.read_json(f"{prefix}/{MANIFEST}")
+    rels = sorted(p.relative_to(merged).as_posix() for p in merged.rglob("*") if p.is_file())
+    added = [mirror._upload(store, merged, prefix, rel) for rel in rels]
+    kept = [f for f in manifest["files"] if f["path"] not in set(rels) and not f["path"].startswith(f"{MERGED}/")]
+    weights = next((r for r in rels if r.endswith(".safetensors")), None)
+    if weights is None:
+        raise VerlJobError(f"verl's model merger wrote no .safetensors into {merged}")
+    manifest = {**manifest, **extra, "files": kept + added, "weights": weights, "model_format": "huggingface"}
+    store.write_json(f"{prefix}/{MANIFEST}", manifest)  # the commit point, again
+    return manifest

@@ -1,0 +1,97 @@
+"""The plan before the work (`omni plan PIPELINE`, `omni run PIPELINE --dry-run`): for every stage,
+in run order, what it would do, read from the config and the store without changing either.
+
+A verl stage's entry is its Ray Job: the submission id, the exact entry point (every Hydra
+override), the runtime environment (credentials shown by where they come from, never their values)
+and the files it stages on the shared path. Values that only exist once an upstream stage ran (the
+dataset version an ingest stage commits, the run key that depends on it, an upstream checkpoint)
+appear as `<...>` placeholders.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_core.config import PipelineConfig
+from omni_core.config.models import RLStage
+from omni_core.data import load_version
+from omni_core.errors import DataError
+from omni_core.storage import Store
+
+
+def plan_pipeline(config: PipelineConfig, store: Store | None = None) -> list[dict[str, Any]]:
+    """One entry per stage, in run order: name, kind, after, and what it does."""
+    store = store if store is not None else Store(config.store)
+    ingested = {key for s in config.stages if s.kind == "ingest" for key in s.datasets}
+    out = []
+    for stage in config.ordered_stages():
+        entry: dict[str, Any] = {"name": stage.name, "kind": stage.kind, "after": list(stage.after)}
+        if isinstance(stage, RLStage):
+            entry.update(_training(config, stage, store, ingested))
+        else:
+            entry["does"] = _other(config, stage)
+        out.append(entry)
+    return out
+
+
+def _other(config: PipelineConfig, stage: Any) -> str:
+    if stage.kind == "ingest":
+        return "ingests " + ", ".join(f"{k} ({config.datasets[k].source})" for k in stage.datasets) \
+            + f" into {config.store}"
+    if stage.kind == "build_images":
+        return f"builds images {', '.join(stage.targets)}" + (" and pushes them" if stage.push else "")
+    if stage.kind == "eval":
+        return f"scores the upstream checkpoint on {stage.data}"
+    if stage.kind == "register":
+        return f"registers the evaluated checkpoint as a version of {stage.model_name} ({stage.metric} decides champion)"
+    return f"runs stage kind {stage.kind}"
+
+
+def _training(config: PipelineConfig, stage: RLStage, store: Store, ingested: set[str]) -> dict[str, Any]:
+    dataset, _, split = stage.data.partition(":")
+    split = split or "train"
+    version, shards = None, None
+    if dataset not in ingested:  # else an upstream ingest commits a version not known yet
+        try:
+            dv = load_version(store, dataset)
+            version, shards = dv.version, len(dv.shard_keys(split)) or None
+        except (DataError, KeyError):
+            pass
+    model = stage.model if isinstance(stage.model, str) else f"<checkpoint of {stage.model.from_}>"
+    run_key = None
+    if version is not None and isinstance(stage.model, str):
+        from omni_core.training.ray_stage import rl_run_key
+
+        run_key = rl_run_key(stage, config.seed, version)
+    data = f"{dataset}@{version or '<version>'}:{split}"
+    if stage.backend == "native":
+        return {"backend": "native", "does": f"trains {stage.algorithm.name} with our trainer on Ray "
+                f"({config.ray.address}) for {stage.trainer.total_steps} steps on {data} from {model}",
+                "run_key": run_key}
+    from omni_core.backends.verl.stage import plan
+
+    job = plan(stage, pipeline=config.name, seed=config.seed, dataset=dataset, split=split, version=version,
+               shard_count=shards, run_key=run_key, model_uri=model, tracking_uri=config.tracking_uri,
+               ray_address=config.ray.address)
+    return {"does": f"runs verl's {job['task']} trainer as Ray Job {job['submission_id']} on {config.ray.address} "
+                    f"for {stage.trainer.total_steps} steps on {data} from {model}", "run_key": run_key, **job}
+
+
+def format_plan(entries: list[dict[str, Any]]) -> str:
+    """The plan as text (one block per stage)."""
+    import json
+
+    lines = []
+    for e in entries:
+        after = f" after {', '.join(e['after'])}" if e["after"] else ""
+        backend = f", backend {e['backend']}" if "backend" in e else ""
+        lines.append(f"{e['name']} ({e['kind']}{backend}){after}: {e['does']}")
+        if e.get("backend") == "verl":
+            lines.append(f"  entrypoint: {e['entrypoint']}")
+            lines.append(f"  runtime_env: {json.dumps(e['runtime_env'], sort_keys=True)}")
+            ds, model = e["stages"]["dataset"], e["stages"]["model"]
+            lines.append(f"  stages dataset: {ds['from']} -> {ds['to']}/ ({ds['layout']} layout; "
+                         f"{', '.join(ds['files'])})")
+            lines.append(f"  stages model: {model['from']} -> {model['to']}")
+            lines.append(f"  checkpoints: {e['checkpoints']}/global_step_N (mirrored to the store)")
+    return "\n".join(lines)
