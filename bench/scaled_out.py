@@ -1,7 +1,7 @@
 """The embedded default vs the scaled-out stack, side by side in one run: the demo pipeline's time and
 the per-stage overhead of a chain of no-op stages on each.
 
-    python bench/scaled_out.py [--quick] [--json]
+    python bench/scaled_out.py [--quick] [--json] [--baseline REV]
 
 The stack is the one tests/test_scaled_stack.py starts on 127.0.0.1 (its helpers in tests/): a fresh
 Postgres cluster, `prefect server` on it with basic auth, `mlflow server --app-name basic-auth` on
@@ -13,23 +13,29 @@ default: Prefect's in-process API, sqlite MLflow, a local store, a local Ray.
    warm-up chain; the figure is the median gap between consecutive stages' ends (Prefect's task
    runs). On the stack the flow reports to the Prefect server and logs to the MLflow server, its
    store is on S3. Target: the stack's at most 2x the embedded default's.
-2. The demo pipeline (configs/demo.yaml; --quick: its rl stage 1 step), `omni run` as a fresh
-   process, on an empty store: the embedded default vs the same file with `store=s3://...`,
-   `tracking_uri=http://...` and `ray.address=HOST:PORT` on the stack. Wall seconds.
+   `--baseline REV`: the same chains also run with the code of git revision REV (extracted to a
+   temporary folder), on the same stack, for a before/after side by side.
+2. The demo pipeline (configs/demo.yaml), `omni run` as a fresh process, on an empty store: the
+   embedded default vs the same file with `store=s3://...`, `tracking_uri=http://...` and
+   `ray.address=HOST:PORT` on the stack. Wall seconds. Not in --quick (10 no-op stages x2, no Ray
+   cluster: the no-op stages never touch Ray), which finishes in about two minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import secrets
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +69,15 @@ def overhead_child(folder: Path, stages: int, repeats: int, store: str, tracking
                       "p90_ms": round(1000 * statistics.quantiles(gaps, n=10)[-1], 1)}))
 
 
-def overhead(env: dict[str, str], folder: Path, stages: int, repeats: int, store: str, tracking_uri: str) -> dict:
+def overhead(env: dict[str, str], folder: Path, stages: int, repeats: int, store: str, tracking_uri: str,
+             code: Path = ROOT) -> dict:
+    """The chain in a child process running the code in `code` (this checkout, or a baseline's)."""
     folder.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run([sys.executable, __file__, "--overhead-child", str(folder), str(stages), str(repeats), store,
-                          tracking_uri], env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    if code != ROOT:
+        env = {**env, "PYTHONPATH": str(code)}
+    out = subprocess.run([sys.executable, str(code / "bench" / "scaled_out.py"), "--overhead-child", str(folder),
+                          str(stages), str(repeats), store, tracking_uri],
+                         env=env, capture_output=True, text=True, timeout=1800, cwd=code)
     if out.returncode != 0:
         raise SystemExit(f"no-op chain failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -82,7 +93,16 @@ def demo(env: dict[str, str], cwd: Path, overrides: list[str]) -> float:
     return round(seconds, 2)
 
 
-def start_stack(folder: Path) -> tuple[dict[str, str], dict[str, Any], list]:
+def checkout(rev: str, folder: Path) -> Path:
+    """The files of git revision `rev`, extracted into `folder`."""
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+    return folder
+
+
+def start_stack(folder: Path, ray: bool = True) -> tuple[dict[str, str], dict[str, Any], list]:
+    """Moto, Postgres, then Prefect's and MLflow's servers (and the Ray cluster) started side by side."""
     import boto3
     from auth_servers import mlflow_server, prefect_server
     from mlflow_server import s3_environment
@@ -108,18 +128,27 @@ def start_stack(folder: Path) -> tuple[dict[str, str], dict[str, Any], list]:
     stops.append(pg.remove)
     for db in ("prefect", "mlflow", "mlflow_auth"):
         pg.createdb(db)
-    prefect = prefect_server(folder / "prefect", pg.url("prefect", "postgresql+asyncpg"),
-                             f"omni:{secrets.token_urlsafe(12)}")
-    stops.append(prefect.stop)
-    mlflow = mlflow_server(folder / "mlflow", pg.url("mlflow", "postgresql+psycopg"), f"s3://{bucket}/mlflow",
-                           pg.url("mlflow_auth", "postgresql+psycopg"), secrets.token_urlsafe(18), s3)
-    stops.append(mlflow.stop)
-    cluster = start_cluster(head_cpus=1, token=secrets.token_hex(32))
-    stops.append(cluster.stop)
-    cluster.add_node(num_cpus=2)
-    env = {**os.environ, **s3, **prefect.client_env(), **mlflow.client_env(), **cluster.driver_env({}),
-           "COLUMNS": "200"}
-    return env, {"bucket": bucket, "mlflow": mlflow.url, "ray": cluster.address}, stops
+
+    def two_node_cluster() -> Any:
+        cluster = start_cluster(head_cpus=1, token=secrets.token_hex(32))
+        stops.append(cluster.stop)
+        cluster.add_node(num_cpus=2)
+        return cluster
+
+    with ThreadPoolExecutor(3) as pool:
+        prefect_ = pool.submit(prefect_server, folder / "prefect", pg.url("prefect", "postgresql+asyncpg"),
+                               f"omni:{secrets.token_urlsafe(12)}")
+        mlflow_ = pool.submit(mlflow_server, folder / "mlflow", pg.url("mlflow", "postgresql+psycopg"),
+                              f"s3://{bucket}/mlflow", pg.url("mlflow_auth", "postgresql+psycopg"),
+                              secrets.token_urlsafe(18), s3)
+        cluster_ = pool.submit(two_node_cluster) if ray else None
+        for future in (prefect_, mlflow_):
+            if future.exception() is None:
+                stops.append(future.result().stop)
+        prefect, mlflow, cluster = prefect_.result(), mlflow_.result(), cluster_.result() if cluster_ else None
+    env = {**os.environ, **s3, **prefect.client_env(), **mlflow.client_env(),
+           **(cluster.driver_env({}) if cluster else {}), "COLUMNS": "200"}
+    return env, {"bucket": bucket, "mlflow": mlflow.url, "ray": cluster.address if cluster else ""}, stops
 
 
 def main() -> None:
@@ -128,45 +157,56 @@ def main() -> None:
         overhead_child(Path(folder), int(stages), int(repeats), store, tracking_uri)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10 no-op stages x1, the demo's rl stage 1 step")
+    parser.add_argument("--quick", action="store_true", help="10 no-op stages x2, no demo, no Ray cluster")
     parser.add_argument("--json", action="store_true", help="print one JSON object of the figures last")
+    parser.add_argument("--baseline", metavar="REV", help="also run the no-op chains with git revision REV's code")
     args = parser.parse_args()
-    stages, repeats = (10, 1) if args.quick else (20, 3)
-    demo_overrides = ["stages.rl.trainer.total_steps=1"] if args.quick else []
+    stages, repeats = (10, 2) if args.quick else (20, 3)
     figures: dict[str, Any] = {"noop_chain_stages": stages, "noop_chain_repeats": repeats, "quick": args.quick}
     with tempfile.TemporaryDirectory(prefix="omni-bench-scaled-") as tmp:
         folder = Path(tmp)
         embedded = {**os.environ, "PREFECT_HOME": str(folder / "embedded-prefect"),
-                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "COLUMNS": "200"}
+                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "COLUMNS": "200",
+                    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
         for name in ("PREFECT_API_URL", "RAY_ADDRESS"):
             embedded.pop(name, None)
+        codes = {"": ROOT}
+        if args.baseline:
+            codes["baseline_"] = checkout(args.baseline, folder / "baseline")
+            figures["baseline"] = args.baseline
         started = time.perf_counter()
-        env, where, stops = start_stack(folder / "stack")
+        env, where, stops = start_stack(folder / "stack", ray=not args.quick)
         figures["stack_start_s"] = round(time.perf_counter() - started, 1)
         try:
-            figures["embedded_stage_overhead"] = overhead(embedded, folder / "noop-embedded", stages, repeats,
-                                                          str(folder / "noop-store"),
-                                                          f"sqlite:///{folder / 'noop-mlflow.db'}")
-            figures["stack_stage_overhead"] = overhead(env, folder / "noop-stack", stages, repeats,
-                                                       f"s3://{where['bucket']}/noop", where["mlflow"])
-            (folder / "demo-embedded").mkdir()
-            figures["embedded_demo_s"] = demo(embedded, folder / "demo-embedded", [
-                f"store={folder / 'demo-store'}", f"tracking_uri=sqlite:///{folder / 'demo-mlflow.db'}",
-                *demo_overrides])
-            figures["stack_demo_s"] = demo(env, folder, [
-                f"store=s3://{where['bucket']}/demo", f"tracking_uri={where['mlflow']}", f"ray.address={where['ray']}",
-                *demo_overrides])
+            for prefix, code in codes.items():
+                figures[f"{prefix}embedded_stage_overhead"] = overhead(
+                    embedded, folder / f"{prefix}noop-embedded", stages, repeats, str(folder / f"{prefix}noop-store"),
+                    f"sqlite:///{folder / f'{prefix}noop-mlflow.db'}", code)
+                figures[f"{prefix}stack_stage_overhead"] = overhead(
+                    env, folder / f"{prefix}noop-stack", stages, repeats, f"s3://{where['bucket']}/{prefix}noop",
+                    where["mlflow"], code)
+            if not args.quick:
+                (folder / "demo-embedded").mkdir()
+                figures["embedded_demo_s"] = demo(embedded, folder / "demo-embedded", [
+                    f"store={folder / 'demo-store'}", f"tracking_uri=sqlite:///{folder / 'demo-mlflow.db'}"])
+                figures["stack_demo_s"] = demo(env, folder, [
+                    f"store=s3://{where['bucket']}/demo", f"tracking_uri={where['mlflow']}",
+                    f"ray.address={where['ray']}"])
         finally:
             for stop in reversed(stops):
                 stop()
-    ratio = figures["stack_stage_overhead"]["median_ms"] / figures["embedded_stage_overhead"]["median_ms"]
-    figures["stage_overhead_ratio"] = round(ratio, 2)
-    figures["target_met"] = bool(ratio <= 2.0)
-    print(f"per-stage overhead ({stages} no-op stages x{repeats}): embedded "
-          f"{figures['embedded_stage_overhead']['median_ms']} ms, stack {figures['stack_stage_overhead']['median_ms']} ms"
-          f" -> {figures['stage_overhead_ratio']}x (target <= 2x: {'met' if figures['target_met'] else 'NOT met'})")
-    print(f"demo pipeline: embedded {figures['embedded_demo_s']} s, stack {figures['stack_demo_s']} s "
-          f"(stack started in {figures['stack_start_s']} s)")
+    for prefix in codes:
+        ratio = (figures[f"{prefix}stack_stage_overhead"]["median_ms"]
+                 / figures[f"{prefix}embedded_stage_overhead"]["median_ms"])
+        figures[f"{prefix}stage_overhead_ratio"] = round(ratio, 2)
+        print(f"{prefix.rstrip('_') or 'this checkout'}: per-stage overhead ({stages} no-op stages x{repeats}): "
+              f"embedded {figures[f'{prefix}embedded_stage_overhead']['median_ms']} ms, "
+              f"stack {figures[f'{prefix}stack_stage_overhead']['median_ms']} ms -> {round(ratio, 2)}x")
+    figures["target_met"] = bool(figures["stage_overhead_ratio"] <= 2.0)
+    print(f"target (stack <= 2x embedded): {'met' if figures['target_met'] else 'NOT met'}; "
+          f"stack started in {figures['stack_start_s']} s")
+    if "stack_demo_s" in figures:
+        print(f"demo pipeline: embedded {figures['embedded_demo_s']} s, stack {figures['stack_demo_s']} s")
     if args.json:
         print(json.dumps(figures, sort_keys=True))
 

@@ -45,9 +45,11 @@ def deploy_command(
 ) -> None:
     """Register the deployments of prefect.yaml with the Prefect server at PREFECT_API_URL."""
     from flows.deployments import (
+        CRASH_AUTOMATION,
         PREFECT_FILE,
         api_url,
         deploy,
+        ensure_crash_automation,
         ensure_work_pools,
         load_prefect_file,
         read_deployments,
@@ -61,6 +63,9 @@ def deploy_command(
         console.print(f"created work pool [cyan]{pool}[/cyan] ({prefect_file.pool_types[pool]})")
     with console.status("prefect deploy ..."):
         result = deploy(prefect_file, specs)
+    done, window = ensure_crash_automation()
+    console.print(f"automation [cyan]{CRASH_AUTOMATION}[/cyan] {done}: a flow run without a heartbeat for "
+                  f"{window} s is marked Crashed (workers: PREFECT_FLOWS_HEARTBEAT_FREQUENCY={window // 2})")
     if verbose:
         console.print(result.stdout, markup=False, end="")
     table = Table(title=f"deployments on {url}")

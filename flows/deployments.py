@@ -113,6 +113,57 @@ def check_api(url: str, timeout: float = 5.0) -> None:
                               "(`prefect server start`) or fix PREFECT_API_URL") from None
 
 
+# ---- crashed flow runs ----------------------------------------------------------------------------
+
+CRASH_AUTOMATION = "omni: crash flow runs without heartbeats"
+
+
+def heartbeat_seconds() -> int:
+    """How often a flow run sends its heartbeat (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Prefect's default 180 s);
+    the workers must run with the same value as `omni deploy`."""
+    from prefect.settings import get_current_settings
+
+    return int(get_current_settings().flows.heartbeat_frequency or 180)
+
+
+def ensure_crash_automation() -> tuple[str, int]:
+    """Prefect's zombie detection: a running flow run whose heartbeat stops (its worker or host died)
+    is set Crashed once two heartbeats are missed. Prefect offers it as an automation one creates
+    (a proactive trigger on `prefect.flow-run.heartbeat`); created here when missing, or updated to
+    this heartbeat. Returns (what was done, the window in seconds)."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    within = 2 * heartbeat_seconds()
+    automation = Automation(
+        name=CRASH_AUTOMATION,
+        description="A flow run whose heartbeat stopped (its worker or its host died) is marked Crashed.",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
+                    "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
+            within=timedelta(seconds=within)),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                    message=f"no heartbeat for {within} s: its worker or host died")])
+    try:
+        existing = Automation.read(name=CRASH_AUTOMATION)
+    except ValueError:
+        automation.create()
+        return "created", within
+    if existing.trigger.within == automation.trigger.within:
+        return "present", within
+    existing.trigger, existing.actions = automation.trigger, automation.actions
+    existing.update()
+    return "updated", within
+
+
 # ---- work pools ---------------------------------------------------------------------------------
 
 

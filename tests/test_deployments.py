@@ -193,8 +193,14 @@ def test_deploy_registers_every_deployment_of_prefect_yaml(prefect_server: dict[
         kubernetes = pools["omni-kubernetes"].base_job_template
         container = kubernetes["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpu_limit }}"
+        # zombie detection: a running flow run without heartbeats for 2 x 180 s (Prefect's default) is crashed
+        automation = client.read_automations_by_name("omni: crash flow runs without heartbeats")[0]
+        assert automation.trigger.within.total_seconds() == 360 and automation.trigger.posture == "Proactive"
+        assert automation.trigger.after == {"prefect.flow-run.heartbeat"}
+        assert [a.state for a in automation.actions] == ["CRASHED"]
     out = deployed.stdout
     assert "created work pool omni-process (process)" in out, out
+    assert "a flow run without a heartbeat for 360 s is marked Crashed" in " ".join(out.split()), out
     assert "ingest/nightly-demo" in out and "0 2 * * * UTC (active)" in out, out
 
 

@@ -11,11 +11,15 @@ while the servers run (the next run succeeds, no earlier run lost); unauthentica
 by Prefect, MLflow and the Ray job server; no secret in a dump of the databases or in a log (the
 servers', the worker's, Postgres', every Ray log); the worker node's raylet SIGKILLed during a
 training, a replacement node started: the stage resumes from its last checkpoint and ends with the
-weights of an uninterrupted run. Not tried here: the Prefect worker SIGKILLed during a run.
-About 12 minutes on a busy 2-core machine (the stack starts in ~2)."""
+weights of an uninterrupted run; the Prefect worker SIGKILLed (with its flow run's process, as when
+its host dies) during a deployment run, then started again: `omni deploy`'s automation marks the run
+Crashed when its heartbeats stop, and a re-run takes ingest from the stage cache and trains rl on
+from its last committed checkpoint, no step trained twice beyond it.
+About 10 minutes on a busy 2-core machine (the stack ~3 of them, its servers started side by side)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -24,6 +28,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -58,36 +63,56 @@ def stack(moto_server: str, tmp_path_factory: pytest.TempPathFactory, model_cach
     client.create_bucket(Bucket=bucket)
     started: list[Any] = []
     try:
-        pg = start_postgres(Path(f"/tmp/pg{uuid.uuid4().hex[:6]}"))
-        started.append(pg.remove)
-        for db in ("prefect", "mlflow", "mlflow_auth"):
-            pg.createdb(db)
-        prefect = prefect_server(folder / "prefect", pg.url("prefect", "postgresql+asyncpg"), secrets_["prefect"])
-        started.append(prefect.stop)
-        mlflow = mlflow_server(folder / "mlflow", pg.url("mlflow", "postgresql+psycopg"), f"s3://{bucket}/mlflow",
-                               pg.url("mlflow_auth", "postgresql+psycopg"), secrets_["mlflow"], s3)
-        started.append(mlflow.stop)
-        cluster = start_cluster(head_cpus=1, token=secrets_["ray"])
-        started.append(cluster.stop)
-        cluster.add_node(num_cpus=2, resources={"omni_worker": 4})
+
+        def two_node_cluster() -> Any:
+            cluster = start_cluster(head_cpus=1, token=secrets_["ray"])
+            started.append(cluster.stop)
+            cluster.add_node(num_cpus=2, resources={"omni_worker": 4})
+            return cluster
+
+        # side by side: the Ray cluster, and Postgres then the Prefect and MLflow servers on it
+        with ThreadPoolExecutor(3) as pool:
+            cluster_ = pool.submit(two_node_cluster)
+            pg = start_postgres(Path(f"/tmp/pg{uuid.uuid4().hex[:6]}"))
+            started.append(pg.remove)
+            for db in ("prefect", "mlflow", "mlflow_auth"):
+                pg.createdb(db)
+            prefect_ = pool.submit(prefect_server, folder / "prefect", pg.url("prefect", "postgresql+asyncpg"),
+                                   secrets_["prefect"])
+            mlflow_ = pool.submit(mlflow_server, folder / "mlflow", pg.url("mlflow", "postgresql+psycopg"),
+                                  f"s3://{bucket}/mlflow", pg.url("mlflow_auth", "postgresql+psycopg"),
+                                  secrets_["mlflow"], s3)
+            for future in (prefect_, mlflow_):
+                if future.exception() is None:
+                    started.append(future.result().stop)
+            prefect, mlflow, cluster = prefect_.result(), mlflow_.result(), cluster_.result()
         env = {**os.environ, **s3, **prefect.client_env(), **mlflow.client_env(), **{
             k: v for k, v in cluster.driver_env({}).items()}, "OMNI_CACHE_DIR": str(model_cache),
-            "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+            "PYTHONUNBUFFERED": "1", "COLUMNS": "200",
+            # Prefect's least heartbeat: `omni deploy`'s crash automation then waits 60 s, not 360
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
         for var in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "RAY_ADDRESS", "MLFLOW_TRACKING_URI"):
             env.pop(var, None)
         deployed = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "local"],
                                   cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-        worker_log = folder / "worker.log"
-        with open(worker_log, "wb") as out:
-            worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
-                                      cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        started.append(lambda: stop(worker))
-        yield {"folder": folder, "pg": pg, "prefect": prefect, "mlflow": mlflow, "cluster": cluster, "env": env,
-               "bucket": bucket, "secrets": secrets_, "worker_log": worker_log, "deploy_out": deployed.stdout}
+        result = {"folder": folder, "pg": pg, "prefect": prefect, "mlflow": mlflow, "cluster": cluster, "env": env,
+                  "bucket": bucket, "secrets": secrets_, "worker_log": folder / "worker.log",
+                  "deploy_out": deployed.stdout}
+        start_worker(result)
+        started.append(lambda: stop(result["worker"]))
+        yield result
     finally:
         for stop_ in reversed(started):
             stop_()
+
+
+def start_worker(stack: dict) -> None:
+    """A Prefect process worker for the pool (its log appended to worker.log), as stack["worker"]."""
+    with open(stack["worker_log"], "ab") as out:
+        stack["worker"] = subprocess.Popen(
+            [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
+            cwd=ROOT, env=stack["env"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 @contextmanager
@@ -101,17 +126,26 @@ def api(stack: dict) -> Iterator[Any]:
         yield client
 
 
-def run_deployment(stack: dict, parameters: dict, timeout: float = 540) -> Any:
+def create_run(stack: dict, parameters: dict) -> Any:
+    """A run of pipeline/local created through the Prefect API, as the UI's Run button does."""
     with api(stack) as client:
         deployment = client.read_deployment_by_name("pipeline/local")
-        flow_run = client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
+        return client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
+
+
+def wait_final(stack: dict, flow_run_id: Any, timeout: float = 540) -> Any:
+    with api(stack) as client:
         deadline = time.monotonic() + timeout
         while True:
-            run = client.read_flow_run(flow_run.id)
+            run = client.read_flow_run(flow_run_id)
             if run.state is not None and run.state.is_final():
                 return run
             assert time.monotonic() < deadline, f"flow run {run.state}: {stack['worker_log'].read_text()[-4000:]}"
             time.sleep(2)
+
+
+def run_deployment(stack: dict, parameters: dict, timeout: float = 540) -> Any:
+    return wait_final(stack, create_run(stack, parameters).id, timeout)
 
 
 def pipeline_file(stack: dict, seed: int) -> Path:
@@ -267,3 +301,70 @@ def test_a_worker_node_lost_during_training_resumes_and_ends_with_the_same_weigh
     uninterrupted = json.loads(local_out.strip().splitlines()[-1])
     assert uninterrupted["recoveries"] == 0
     assert result["weights_sha256"] == uninterrupted["weights_sha256"]
+
+
+def mlflow_runs(stack: dict, experiment: str, filter_string: str) -> list[Any]:
+    from mlflow import MlflowClient
+
+    os.environ.update(stack["mlflow"].client_env())
+    try:
+        client = MlflowClient(stack["mlflow"].url)
+        runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id],
+                                  filter_string=filter_string)
+        return [(r, {m.step for m in client.get_metric_history(r.info.run_id, "timing_s/step")}) for r in runs]
+    finally:
+        for name in stack["mlflow"].client_env():
+            os.environ.pop(name, None)
+
+
+def test_the_worker_killed_during_a_run_crashes_it_and_a_rerun_resumes_from_the_checkpoint(stack: dict) -> None:
+    """Last in the module: it replaces the worker. The worker and its flow run's process SIGKILLed
+    once rl committed a checkpoint (its host died); Prefect marks the run Crashed when its heartbeats
+    stop (`omni deploy`'s automation); the worker started again, a re-run of the deployment takes
+    ingest from the stage cache, and rl trains from the last committed checkpoint on."""
+    import psutil
+
+    from omni_core.storage import Store
+
+    workdir = stack["folder"] / "crash"
+    workdir.mkdir()
+    store = f"s3://{stack['bucket']}/crash"
+    config = digits_pipeline(workdir, name="stack-crash", store=store, tracking_uri=stack["mlflow"].url, seed=7,
+                             model_name="stack-crash", samples=2)
+    config["ray"] = {"address": stack["cluster"].address}
+    rl = next(s for s in config["stages"] if s["name"] == "rl")
+    rl["trainer"]["total_steps"] = 4
+    rl["checkpoint"] = {"save_freq": 1}
+    path = workdir / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config))
+    parameters = {"pipeline_file": str(path), "overrides": []}
+    first = create_run(stack, parameters)
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("OMNI_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+            mp.setenv(name, stack["env"][name])
+        s3 = Store(store)
+        deadline = time.monotonic() + 300
+        while not any("global_step_1/_manifest.json" in k for k in s3.list("runs/stack-crash")):
+            assert time.monotonic() < deadline and stack["worker"].poll() is None, \
+                stack["worker_log"].read_text()[-4000:]
+            time.sleep(0.5)
+        worker = psutil.Process(stack["worker"].pid)
+        for proc in [*worker.children(recursive=True), worker]:  # the host dies: the run's process with it
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        stack["worker"].wait(timeout=30)
+        crashed = wait_final(stack, first.id, timeout=200)  # the automation: 60 s without a heartbeat
+        assert crashed.state.is_crashed(), crashed.state
+        # read after the crash: by now the driver's actors are gone, no checkpoint commits after this
+        committed = max(int(k.split("global_step_")[1].split("/")[0]) for k in s3.list("runs/stack-crash")
+                        if k.endswith("/_manifest.json") and "global_step_" in k)
+    assert committed < 4, "the training finished before the worker was killed: nothing to resume"
+    start_worker(stack)
+    again = run_deployment(stack, parameters)
+    assert again.state.is_completed(), f"{again.state}: {stack['worker_log'].read_text()[-4000:]}"
+    runs = mlflow_runs(stack, "stack-crash", f"tags.`prefect.flow_run_id` = '{again.id}'")
+    by_stage = {r.data.tags.get("omni.stage"): (r, steps) for r, steps in runs}
+    assert by_stage["ingest"][0].data.tags["omni.stage_cache"] == "hit", by_stage["ingest"][0].data.tags
+    rl_run, steps = by_stage["rl"]
+    assert rl_run.data.tags["omni.resumed_from_step"] == str(committed), rl_run.data.tags
+    assert steps == set(range(committed + 1, 5)), steps  # nothing before the checkpoint trained again

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, RunStatus
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
@@ -27,6 +27,7 @@ from omni_core.lineage.redact import env_secrets, redact, redact_mapping, redact
 
 TAG_PREFIX = "omni."
 REACHABLE_TIMEOUT_S = 5.0
+BATCH = 100  # MLflow's log_batch takes at most 100 params and 1000 tags+params+metrics a request
 
 
 def sqlite_path(tracking_uri: str) -> Path | None:
@@ -77,8 +78,14 @@ class Tracker:
         if urlparse(self.tracking_uri).scheme in ("http", "https"):
             check_reachable(self.tracking_uri)
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self._experiments: dict[str, str] = {}  # name -> id: one lookup per experiment, not one per run
 
     def experiment_id(self, name: str) -> str:
+        if name not in self._experiments:
+            self._experiments[name] = self._experiment_id(name)
+        return self._experiments[name]
+
+    def _experiment_id(self, name: str) -> str:
         experiment = self.client.get_experiment_by_name(name)
         if experiment is not None:
             return experiment.experiment_id
@@ -100,12 +107,16 @@ class Tracker:
         self.client.set_terminated(run_id, status=status)
 
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
-        for key, value in redact_mapping({k: str(v) for k, v in tags.items()}).items():
-            self.client.set_tag(run_id, key, value)
+        """All tags in one request (log_batch), not one request a tag."""
+        items = [RunTag(k, v) for k, v in redact_mapping({k: str(v) for k, v in tags.items()}).items()]
+        for i in range(0, len(items), BATCH):
+            self.client.log_batch(run_id, tags=items[i:i + BATCH])
 
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
-        for key, value in redact_mapping(params).items():
-            self.client.log_param(run_id, key, value)
+        """All params in one request (log_batch), not one request a param."""
+        items = [Param(k, str(v)) for k, v in redact_mapping(params).items()]
+        for i in range(0, len(items), BATCH):
+            self.client.log_batch(run_id, params=items[i:i + BATCH])
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int, timestamp_ms: int) -> None:
         batch = [Metric(key, float(value), timestamp_ms, step) for key, value in sorted(metrics.items())]

@@ -22,6 +22,7 @@ from omni_core.config import PipelineConfig, config_digest
 from omni_core.config.models import AnyStage
 from omni_core.errors import ConfigError
 from omni_core.lineage import Tracker, git_commit
+from omni_core.lineage.redact import redact_mapping
 from omni_core.lineage.tracking import inherited_tags
 from omni_core.pipeline import cache
 from omni_core.pipeline.graph import StageGraph, check_data_flow
@@ -114,6 +115,8 @@ class PipelineRun:
     force: frozenset[str] = frozenset()
     git_commit: str = ""
     outcomes: dict[str, StageOutcome] = field(default_factory=dict)
+    # the parent run's tags as logged (redacted), kept so a stage needs no request to read them back
+    parent_tags: dict[str, str] = field(default_factory=dict)
     graph: StageGraph = field(init=False)
 
     def __post_init__(self) -> None:
@@ -136,11 +139,13 @@ class PipelineRun:
         parent = tracker.start_run(config.name, run_name=config.name, tags=run_tags)
         tracker.log_dict(parent, config.model_dump(mode="json"), "config/pipeline.json")
         progress(f"pipeline {config.name}: MLflow run {parent} at {tracker.tracking_uri}")
-        return cls(config, store, tracker, parent, digest, progress, forced, commit)
+        return cls(config, store, tracker, parent, digest, progress, forced, commit,
+                   parent_tags=redact_mapping(run_tags))
 
     def stage_tags(self, stage_name: str, kind: str) -> dict[str, str]:
-        inherited = inherited_tags(self.tracker.client.get_run(self.parent_run_id).data.tags)
-        return {**inherited, "omni.stage": stage_name, "omni.stage_kind": kind}
+        if not self.parent_tags:
+            self.parent_tags = self.tracker.client.get_run(self.parent_run_id).data.tags
+        return {**inherited_tags(self.parent_tags), "omni.stage": stage_name, "omni.stage_kind": kind}
 
     # ---- one stage -----------------------------------------------------------------------------
 
