@@ -15,6 +15,7 @@ from pydantic import (
     Field,
     SerializeAsAny,
     SerializerFunctionWrapHandler,
+    ValidationError,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
@@ -23,6 +24,7 @@ from pydantic import (
 )
 
 from omni_core.backends.verl.options import VerlBackend
+from omni_core.backends.verl_omni.options import VerlOmniBackend
 
 
 class Strict(BaseModel):
@@ -253,9 +255,10 @@ class RLStage(StageBase):
     resources: dict[Literal["trainer", "rollout", "reward"], dict[str, Annotated[float, Field(ge=0)]]] = Field(
         default_factory=dict, description="Ray resources per role, e.g. {rollout: {CPU: 1, GPU: 1}}; defaults: "
                                           "trainer CPU num_cpus, rollout CPU 1, reward CPU 0.")
-    backend: Literal["native"] | VerlBackend = Field(
+    backend: Literal["native"] | Annotated[VerlBackend | VerlOmniBackend, Field(discriminator="name")] = Field(
         "native", description="native: our trainer on Ray (default); {name: verl, shared_dir, python, nnodes, "
-                              "n_gpus_per_node, overrides, env}: verl's trainer as a Ray Job (README: Running on verl).")
+                              "n_gpus_per_node, overrides, env}: verl's trainer as a Ray Job; {name: verl_omni, "
+                              "recipe, shared_dir, ...}: a VeRL-Omni recipe as a Ray Job (README: Running on verl).")
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -263,8 +266,22 @@ class RLStage(StageBase):
         if value == "verl":
             raise ValueError("backend: verl needs its options: write backend: {name: verl, shared_dir: PATH} "
                              "(shared_dir: a path every Ray node sees)")
-        if isinstance(value, dict) and value.get("name", "verl") != "verl":
-            raise ValueError(f"backend.name: {value.get('name')!r}; use native (our trainer) or verl")
+        if value == "verl_omni":
+            raise ValueError("backend: verl_omni needs its options: write backend: {name: verl_omni, recipe: NAME, "
+                             "shared_dir: PATH} (`omni recipes list` shows the recipes)")
+        if isinstance(value, dict):
+            name = value.get("name", "verl")
+            if name not in ("verl", "verl_omni"):
+                raise ValueError(f"backend.name: {name!r}; use native (our trainer), verl or verl_omni")
+            model = VerlOmniBackend if name == "verl_omni" else VerlBackend
+            try:  # validated here so that an error names the backend's key, not every member of the union
+                return model.model_validate({**value, "name": name})
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                key = ".".join(str(p) for p in err["loc"])
+                message = "unknown key (remove it or check its spelling)" if err["type"] == "extra_forbidden" \
+                    else err["msg"].removeprefix("Value error, ")
+                raise ValueError(f"{key}: {message}" if key else message) from None
         return value
 
     @field_validator("algorithm", mode="before")
@@ -300,7 +317,19 @@ class RLStage(StageBase):
             part = getattr(self, section)
             if key not in part.model_fields_set:
                 setattr(part, key, value)
+                part.model_fields_set.discard(key)  # a default, not the file's: keys_given() leaves it out
         return self
+
+    def keys_given(self) -> list[str]:
+        """`section.key` of every trainer / rollout / execution / checkpoint / lora / algorithm key the
+        file (or an override) set, without the algorithm's defaults filled in by `_algorithm_defaults`."""
+        out = []
+        for section in ("algorithm", "trainer", "rollout", "reward", "execution", "checkpoint", "lora"):
+            part = getattr(self, section)
+            if part is None:
+                continue
+            out += [f"{section}.{k}" for k in sorted(part.model_fields_set)]
+        return out
 
     def unused_keys(self) -> list[str]:
         """`section.key` of trainer/rollout/reward keys set in the file that the algorithm does not read."""
@@ -318,6 +347,17 @@ class RLStage(StageBase):
                 del data[key]
         if data.get("backend") == "native":  # the default: digests and run keys stay what they were
             del data["backend"]
+        if isinstance(self.backend, VerlOmniBackend):  # the recipe decides the rest: only what the file set
+            given = set(self.keys_given())
+            if "model" not in self.model_fields_set:  # the recipe's own model
+                data.pop("model", None)
+            for key in ("num_cpus", "resources"):  # refused when set (backend.nnodes / n_gpus_per_node place it)
+                if key not in self.model_fields_set:
+                    data.pop(key, None)
+            for section in ("algorithm", "trainer", "rollout", "reward", "execution", "checkpoint", "lora"):
+                if isinstance(data.get(section), dict):
+                    data[section] = {k: v for k, v in data[section].items()
+                                     if k == "name" and section == "algorithm" or f"{section}.{k}" in given}
         uses = self.record.stage_keys
         for section in ("trainer", "rollout", "reward"):
             if section not in data:
@@ -551,6 +591,14 @@ class PipelineConfig(Strict):
                 if self.ray.address == "local":
                     raise ValueError(f"ray.address: local, but stage {stage.name} runs on verl as a Ray Job: set "
                                      "ray.address to the cluster's job server (the dashboard URL, http://HOST:8265)")
+            if isinstance(stage, RLStage) and isinstance(stage.backend, VerlOmniBackend):
+                from omni_core.backends.verl_omni.stage import verl_omni_problem
+
+                if problem := verl_omni_problem(stage, self.datasets):
+                    raise ValueError(problem)
+                if self.ray.address == "local":
+                    raise ValueError(f"ray.address: local, but stage {stage.name} runs a VeRL-Omni recipe as a Ray Job: "
+                                     "set ray.address to the cluster's job server (the dashboard URL, http://HOST:8265)")
         self.ordered_stages()  # raises on a cycle
         for stage in self.stages:  # checks that need the whole graph (an eval's upstream rl stage, ...)
             if (check := getattr(stage, "pipeline_problem", None)) and (problem := check(self)):

@@ -1,7 +1,7 @@
 """The plan before the work (`omni plan PIPELINE`, `omni run PIPELINE --dry-run`): for every stage,
 in run order, what it would do, read from the config and the store without changing either.
 
-A verl stage's entry is its Ray Job: the submission id, the exact entry point (every Hydra
+A verl or verl_omni (VeRL-Omni recipe) stage's entry is its Ray Job: the submission id, the exact entry point (every Hydra
 override), the runtime environment (credentials shown by where they come from, never their values)
 and the files it stages on the shared path. Values that only exist once an upstream stage ran (the
 dataset version an ingest stage commits, the run key that depends on it, an upstream checkpoint)
@@ -50,11 +50,11 @@ def _other(config: PipelineConfig, stage: Any) -> str:
 def _training(config: PipelineConfig, stage: RLStage, store: Store, ingested: set[str]) -> dict[str, Any]:
     dataset, _, split = stage.data.partition(":")
     split = split or "train"
-    version, shards = None, None
+    version, shards, splits = None, None, None
     if dataset not in ingested:  # else an upstream ingest commits a version not known yet
         try:
             dv = load_version(store, dataset)
-            version, shards = dv.version, len(dv.shard_keys(split)) or None
+            version, shards, splits = dv.version, len(dv.shard_keys(split)) or None, sorted(dv.manifest["splits"])
         except (DataError, KeyError):
             pass
     model = stage.model if isinstance(stage.model, str) else f"<checkpoint of {stage.model.from_}>"
@@ -68,6 +68,15 @@ def _training(config: PipelineConfig, stage: RLStage, store: Store, ingested: se
         return {"backend": "native", "does": f"trains {stage.algorithm.name} with our trainer on Ray "
                 f"({config.ray.address}) for {stage.trainer.total_steps} steps on {data} from {model}",
                 "run_key": run_key}
+    if stage.backend.name == "verl_omni":
+        from omni_core.backends.verl_omni.stage import plan as recipe_plan
+
+        job = recipe_plan(stage, pipeline=config.name, seed=config.seed, dataset=dataset,
+                          converter=config.datasets[dataset].converter if dataset in config.datasets else None,
+                          version=version, splits=splits, run_key=run_key, tracking_uri=config.tracking_uri,
+                          ray_address=config.ray.address)
+        return {"does": f"runs VeRL-Omni recipe {job['task']} as Ray Job {job['submission_id']} on "
+                        f"{config.ray.address} on {data} from {job['stages']['model']['from']}", "run_key": run_key, **job}
     from omni_core.backends.verl.stage import plan
 
     job = plan(stage, pipeline=config.name, seed=config.seed, dataset=dataset, split=split, version=version,
@@ -86,12 +95,14 @@ def format_plan(entries: list[dict[str, Any]]) -> str:
         after = f" after {', '.join(e['after'])}" if e["after"] else ""
         backend = f", backend {e['backend']}" if "backend" in e else ""
         lines.append(f"{e['name']} ({e['kind']}{backend}){after}: {e['does']}")
-        if e.get("backend") == "verl":
+        if e.get("backend") in ("verl", "verl_omni"):
             lines.append(f"  entrypoint: {e['entrypoint']}")
             lines.append(f"  runtime_env: {json.dumps(e['runtime_env'], sort_keys=True)}")
             ds, model = e["stages"]["dataset"], e["stages"]["model"]
             lines.append(f"  stages dataset: {ds['from']} -> {ds['to']}/ ({ds['layout']} layout; "
                          f"{', '.join(ds['files'])})")
             lines.append(f"  stages model: {model['from']} -> {model['to']}")
+            if e.get("substituted"):
+                lines.append(f"  substituted in the recipe's overrides: {'; '.join(e['substituted'])}")
             lines.append(f"  checkpoints: {e['checkpoints']}/global_step_N (mirrored to the store)")
     return "\n".join(lines)

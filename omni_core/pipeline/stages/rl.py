@@ -239,12 +239,17 @@ def run_rl(ctx: Any) -> dict[str, Any]:
 
 
 def run_verl(ctx: Any) -> dict[str, Any]:
-    """The stage on verl (omni_core.backends.verl.runner): a Ray Job on ray.address, then the same
-    outputs, tags and logged model as a native training."""
+    """The stage on verl (omni_core.backends.verl.runner) or a VeRL-Omni recipe
+    (omni_core.backends.verl_omni.runner): a Ray Job on ray.address, then the same outputs, tags and
+    logged model as a native training."""
     import tempfile
 
-    from omni_core.backends.verl.runner import run_verl_stage
     from omni_core.training.ray_stage import RLStageResult, _weights_digest
+
+    if ctx.stage.backend.name == "verl_omni":  # a VeRL-Omni recipe through the same job machinery
+        from omni_core.backends.verl_omni.runner import run_verl_omni_stage as run_verl_stage
+    else:
+        from omni_core.backends.verl.runner import run_verl_stage
 
     stage = resolved_stage(ctx)
     key, split, dv = input_dataset(ctx)
@@ -268,7 +273,7 @@ def run_verl(ctx: Any) -> dict[str, Any]:
                            manifest["reused"])
     outputs = {"run_key": run_key, "global_step": result.global_step, "checkpoint_uri": result.checkpoint_uri,
                "weights_sha256": result.weights_sha256, "dataset_version": dv.version,
-               "final_metrics": metrics, "reused": result.reused, "backend": "verl"}
+               "final_metrics": metrics, "reused": result.reused, "backend": stage.backend.name}
     image_tags(ctx)
     model_from_tags(ctx)
     outputs["model_id"] = log_training_result(

@@ -1,0 +1,73 @@
+"""`backend: {name: verl_omni, ...}` on an `rl` stage: a VeRL-Omni recipe (`recipe: NAME`, from
+`omni recipes list`) or an imported script's command (`entry_point: MODULE` with its `overrides`), run
+as a Ray Job on the cluster at `ray.address`.
+
+The recipe options (`RecipeOptions`: rollout_n, max_num_seqs, lora_rank, total_steps, ...) may be
+written here directly, as `omni recipes show` prints them; the stage's own keys that mean the same
+(`rollout.n`, `lora.rank`, `trainer.total_steps`, ...) map onto them too (stage.py).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
+
+from omni_core.backends.verl_omni.render import RecipeOptions
+
+# the keys of `backend:` that are not recipe options
+BACKEND_ONLY = ("name", "recipe", "entry_point", "python", "shared_dir", "entrypoint_resources")
+
+
+class VerlOmniBackend(RecipeOptions):
+    """`backend: {name: verl_omni, recipe: NAME, shared_dir: PATH, ...}`."""
+
+    name: Literal["verl_omni"] = "verl_omni"
+    recipe: str | None = Field(None, description="A VeRL-Omni recipe (`omni recipes list`).")
+    entry_point: str | None = Field(None, description="Instead of a recipe: the module an imported script runs "
+                                                      "(`omni recipes import run_x.sh` writes it), e.g. "
+                                                      "verl_omni.trainer.main_omni.")
+    python: str | None = Field(None, description="The interpreter that has verl-omni on the cluster; default: the "
+                                                 "recipe's (python3, the CUDA image's /opt/venv).")
+    shared_dir: str = Field(description="A path every Ray node sees (NFS, Lustre, a PVC; locally any folder): "
+                                        "datasets, models and the recipe's checkpoints are staged under it.")
+    entrypoint_resources: dict[str, float] | None = Field(
+        None, description="Keyword arguments of Ray's submit_job for the entry point (entrypoint_num_cpus, "
+                          "entrypoint_num_gpus); default none: the recipe's driver only places Ray actors.")
+
+    @field_validator("shared_dir")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("backend.shared_dir is empty; give a path every Ray node sees")
+        return os.path.abspath(os.path.expanduser(value))
+
+    @model_validator(mode="after")
+    def _recipe_or_entry_point(self) -> VerlOmniBackend:
+        if bool(self.recipe) == bool(self.entry_point):
+            raise ValueError("a verl_omni backend names either a recipe (`omni recipes list`) or an entry_point with "
+                             "its overrides (`omni recipes import run_x.sh` writes one), not both, not neither")
+        if self.recipe:
+            from omni_core.backends.verl_omni.catalog import get_recipe
+            from omni_core.errors import ConfigError
+
+            try:
+                get_recipe(self.recipe)
+            except ConfigError as exc:  # names the recipes there are
+                raise ValueError(str(exc).removeprefix("backend.")) from None
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump_what_is_set(self, handler: SerializerFunctionWrapHandler) -> dict:
+        """Options left unset (None, no overrides, no env) are not dumped: the recipe decides them."""
+        return {k: v for k, v in handler(self).items() if v is not None and v != [] and v != {}}
+
+    def options(self) -> dict:
+        """The recipe options set here (for render.render_recipe)."""
+        return self.model_dump(exclude=set(BACKEND_ONLY), exclude_none=True)
+
+    def run_dir(self, pipeline: str, run_key: str, stage: str) -> Path:
+        """shared_dir/runs/{pipeline}/{run_key}/{stage} (absolute); checkpoints in its `checkpoints/`."""
+        return Path(self.shared_dir) / "runs" / pipeline / run_key / stage
