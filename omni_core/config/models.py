@@ -406,6 +406,8 @@ def _rl_stage_problem(stage: RLStage, datasets: dict[str, DatasetConfig]) -> str
         return (f"{where}.execution.mode: separate_async runs rollout workers beside the trainer, for "
                 f"{' and '.join(able)}; {algo} trains in one actor (mode: sync)")
     model_name = stage.model if isinstance(stage.model, str) else ""
+    if isinstance(stage.backend, VerlOmniBackend) and "model" not in stage.model_fields_set:
+        model_name = ""  # the recipe's own model (omni_core.backends.verl_omni.stage.model_for)
     model_kind = _KNOWN_MODELS.get(model_name)
     adapter_kind = _KNOWN_ADAPTERS.get(stage.adapter or "")
     if model_kind and adapter_kind and model_kind != adapter_kind:

@@ -88,7 +88,7 @@ class RecipeOptions(BaseModel):
     max_staleness: int | None = Field(None, ge=0)
     staleness_policy: Literal["wait", "drop"] | None = None
     lora_rank: int | None = Field(None, ge=0)
-    lora_alpha: float | None = None
+    lora_alpha: int | float | None = None  # 64 stays 64 (the scripts spell it so), 0.5 stays 0.5
     total_steps: int | None = Field(None, ge=1)
     total_epochs: int | None = Field(None, ge=1)
     batch_size: int | None = Field(None, ge=1)

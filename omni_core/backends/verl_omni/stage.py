@@ -53,6 +53,7 @@ NOT_FOR_RECIPES = {
     "resources": "the recipe places its workers from backend.nnodes and backend.n_gpus_per_node",
     "num_cpus": "the recipe places its workers from backend.nnodes and backend.n_gpus_per_node",
 }
+EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
 CHECKPOINTS = "checkpoints"  # trainer.default_local_dir = run_dir/checkpoints; the scripts' log folders in run_dir
 
 
@@ -100,6 +101,8 @@ def recipe_options(stage: Any) -> tuple[dict[str, Any], dict[str, str]]:
         if option in options and options[option] != value:
             raise ConfigError(f"{where}.{key}: {value!r}, but backend.{option} says {options[option]!r}; "
                               "set one of them")
+        if option == "lora_alpha" and float(value).is_integer():
+            value = int(value)  # our LoraConfig holds a float; the scripts write 64, not 64.0
         options[option] = value
         origin[option] = key
     return options, origin
@@ -189,9 +192,12 @@ def verl_omni_problem(stage: Any, datasets: dict[str, Any]) -> str | None:
 
 
 def job_env(command: RecipeCommand, *, tracking_uri: str | None, mlflow_run_id: str | None) -> dict[str, Any]:
-    """The Ray Job's runtime env: the script's exported variables (VERL_USE_EXTERNAL_MODULES=verl_omni ...)
-    plus MLflow's run and the credentials forwarded by name (omni_core.backends.verl.job.runtime_env)."""
-    return runtime_env(command, tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id)  # type: ignore[arg-type]
+    """The Ray Job's runtime env: `VERL_USE_EXTERNAL_MODULES=verl_omni` (verl's hook that imports verl_omni in
+    every worker; the omni scripts export it, the diffusion ones run verl_omni's own entry points and do
+    not, it is set for every job), the script's exported variables, MLflow's run and the credentials
+    forwarded by name (omni_core.backends.verl.job.runtime_env)."""
+    env = runtime_env(command, tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id)  # type: ignore[arg-type]
+    return {**env, "env_vars": {EXTERNAL_MODULES: "verl_omni", **env["env_vars"]}}
 
 
 def plan(stage: Any, *, pipeline: str, seed: int, dataset: str, converter: str | None, version: str | None,

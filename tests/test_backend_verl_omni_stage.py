@@ -1,0 +1,201 @@
+"""`backend: {name: verl_omni, ...}` on an `rl` stage: validation naming the stage key, the mapping of
+stage keys onto recipe options, the plan (`omni plan --json`), and the two example pipelines
+(configs/verl_omni_*.yaml): both validate, their verl_omni stages render the pinned scripts' commands
+after our substitutions, the native override of each plans, and the Qwen-Image OCR one runs natively
+on CPU (1 FlowGRPO step of tiny://sd3). The job path on a real Ray head is in test_backend_verl_job.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from test_backend_verl_omni_catalog import PATHS, _expected
+
+from omni_core.backends.verl_omni.catalog import get_recipe
+from omni_core.backends.verl_omni.render import render_recipe
+from omni_core.backends.verl_omni.stage import recipe_command
+from omni_core.config import load_pipeline, validate_pipeline
+from omni_core.errors import ConfigError
+from omni_core.training import rl_run_key
+
+REPO = Path(__file__).resolve().parents[1]
+MMK12 = REPO / "configs" / "verl_omni_mmk12_gspo.yaml"
+OCR = REPO / "configs" / "verl_omni_qwen_image_ocr.yaml"
+
+
+def pipeline(tmp_path: Path, **stage: object) -> dict:
+    rl = {"name": "rl", "kind": "rl", "data": "mmk12:train", "algorithm": {"name": "gspo"},
+          "backend": {"name": "verl_omni", "recipe": "qwen3-omni-thinker-gspo-mmk12", "shared_dir": str(tmp_path / "sh")}}
+    rl.update(stage)
+    return {"name": "vo", "store": str(tmp_path / "store"), "tracking_uri": "http://127.0.0.1:5999",
+            "ray": {"address": "http://127.0.0.1:8265"},
+            "datasets": {"mmk12": {"source": "fixtures://mmk12?rows=4&seed=0", "converter": "mmk12"},
+                         "ocr": {"source": "fixtures://ocr?rows=4&seed=0", "converter": "ocr"},
+                         "avqa": {"source": "fixtures://avqa?rows=4&seed=0", "converter": "avqa"}},
+            "stages": [rl]}
+
+
+def _error(data: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate_pipeline(data)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(("stage", "expected"), [
+    ({"rollout": {"temperature": 0.5}}, "stages.rl.rollout.temperature: backend verl_omni has no counterpart"),
+    ({"rollout": {"max_num_seqs": 4}}, "stages.rl.rollout.max_num_seqs: recipe 'qwen3-omni-thinker-gspo-mmk12'"),
+    ({"execution": {"mode": "separate_async"}}, "stages.rl.execution.mode: separate_async needs standalone rollout"),
+    ({"algorithm": {"name": "grpo"}}, "stages.rl.algorithm.name: recipe 'qwen3-omni-thinker-gspo-mmk12' trains GSPO"),
+    ({"reward": {"name": "gsm8k"}}, "stages.rl.reward.name: gsm8k: recipe 'qwen3-omni-thinker-gspo-mmk12' scores"),
+    ({"adapter": "qwen3_omni_thinker"}, "stages.rl.adapter: not used by backend verl_omni"),
+    ({"checkpoint": {"save_freq": 0}}, "stages.rl.checkpoint.save_freq: 0 (only at the end)"),
+    ({"kind": "sft", "algorithm": {"name": "sft"}}, "stages.rl.backend: VeRL-Omni recipes are RL"),
+    # a dataset the recipe cannot take: refused at validation, before any job or export
+    ({"data": "ocr:train"}, "stages.rl.data: recipe 'qwen3-omni-thinker-gspo-mmk12' reads mmk12 data"),
+    ({"data": "avqa:train"}, "converter 'avqa'"),
+    ({"backend": {"name": "verl_omni", "recipe": "qwen-image-edit-flowgrpo-pickscore-lora", "shared_dir": "/s"},
+      "algorithm": {"name": "flow_grpo"}, "data": "ocr:train"}, "is not exported by omni yet"),
+    ({"rollout": {"n": 4}, "backend": {"name": "verl_omni", "recipe": "qwen3-omni-thinker-gspo-mmk12",
+                                      "shared_dir": "/s", "rollout_n": 8}}, "stages.rl.rollout.n: 4, but backend.rollout_n"),
+    ({"backend": {"name": "verl_omni", "recipe": "no-such", "shared_dir": "/s"}}, "'no-such' is not a VeRL-Omni recipe"),
+    ({"backend": {"name": "verl_omni", "shared_dir": "/s"}}, "names either a recipe"),
+    ({"backend": {"name": "verl_omni", "recipe": "qwen3-omni-thinker-gspo-mmk12", "shared_dir": "/s", "rolout_n": 2}},
+     "stages.rl.backend: rolout_n: unknown key"),
+])
+def test_what_the_recipe_cannot_honour_fails_validation_naming_the_key(tmp_path, stage, expected):
+    assert expected in _error(pipeline(tmp_path, **stage))
+
+
+def test_a_recipe_stage_needs_the_job_servers_address(tmp_path):
+    data = pipeline(tmp_path)
+    data["ray"] = {"address": "local"}
+    assert "ray.address: local, but stage rl runs a VeRL-Omni recipe" in _error(data)
+
+
+def test_stage_keys_map_onto_the_recipe_and_the_algorithms_defaults_do_not(tmp_path):
+    data = pipeline(tmp_path, rollout={"n": 8}, lora={"rank": 16, "alpha": 32}, trainer={"total_steps": 5},
+                    algorithm={"name": "gspo", "clip_ratio_high": 5.0e-4}, checkpoint={"save_freq": 2})
+    stage = validate_pipeline(data).stage("rl")
+    command = recipe_command(stage, PATHS)
+    base = render_recipe("qwen3-omni-thinker-gspo-mmk12", {}, PATHS).overrides
+    changed = [o for o in command.overrides if o not in base]
+    assert changed == ["actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32",
+                       "actor_rollout_ref.actor.clip_ratio_high=0.0005", "actor_rollout_ref.rollout.n=8",
+                       "trainer.save_freq=2", "trainer.total_training_steps=5"]
+    # trainer.lr / batch_size keep the recipe's values (gspo's defaults are ours, not the file's)
+    assert "actor_rollout_ref.actor.optim.lr=3e-6" in command.overrides
+    assert "data.train_batch_size=128" in command.overrides
+    # the dump keeps only what the file set: a reload (inline configs, the Prefect UI) is the same stage
+    dumped = validate_pipeline(data).model_dump(mode="json")
+    assert dumped["stages"][0]["trainer"] == {"total_steps": 5} and "model" not in dumped["stages"][0]
+    again = validate_pipeline(copy.deepcopy(dumped)).stage("rl")
+    assert recipe_command(again, PATHS).overrides == command.overrides
+    assert rl_run_key(again, 0, "v1") == rl_run_key(stage, 0, "v1")
+
+
+def test_where_it_runs_is_not_in_the_run_key_but_what_it_trains_is(tmp_path):
+    key = rl_run_key(validate_pipeline(pipeline(tmp_path)).stage("rl"), 0, "v1")
+    data = pipeline(tmp_path)
+    data["stages"][0]["backend"].update(shared_dir="/elsewhere", python="/opt/py/bin/python3", env={"X": "1"})
+    assert rl_run_key(validate_pipeline(data).stage("rl"), 0, "v1") == key
+    data["stages"][0]["backend"]["overrides"] = ["actor_rollout_ref.rollout.gpu_memory_utilization=0.5"]
+    assert rl_run_key(validate_pipeline(data).stage("rl"), 0, "v1") != key
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})}, cwd=REPO)
+
+
+def test_plan_prints_the_recipes_ray_job(tmp_path):
+    from omni_core.config import DatasetConfig
+    from omni_core.data.ingest import ingest
+    from omni_core.storage import Store
+
+    data = pipeline(tmp_path, rollout={"n": 8}, backend={
+        "name": "verl_omni", "recipe": "qwen3-omni-thinker-gspo-mmk12", "shared_dir": str(tmp_path / "sh"),
+        "python": "/opt/venv/bin/python3", "overrides": ["actor_rollout_ref.rollout.gpu_memory_utilization=0.6"]})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMNI_CACHE_DIR", str(tmp_path / "cache"))
+        version = ingest(Store(data["store"]), "mmk12", DatasetConfig(**data["datasets"]["mmk12"]),
+                         progress=lambda _: None).version
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data))
+    planned = cli("plan", str(path), "--json", env={"AWS_SECRET_ACCESS_KEY": "sekrit-value-2"})
+    assert planned.returncode == 0, planned.stderr
+    assert "sekrit" not in planned.stdout
+    (rl,) = json.loads(planned.stdout)
+    run_key = rl_run_key(validate_pipeline(data).stage("rl"), 0, version)
+    shared = tmp_path / "sh"
+    folder = f"{shared}/datasets/mmk12/{version}/verl_omni-inline"
+    assert rl["backend"] == "verl_omni" and rl["recipe"] == "qwen3-omni-thinker-gspo-mmk12"
+    assert rl["submission_id"] == f"omni-verl-vo-rl-{run_key}"
+    assert rl["stages"]["dataset"] == {"from": f"mmk12@{version}", "to": folder, "layout": "inline",
+                                       "files": [f"{folder}/test.parquet", f"{folder}/train.parquet"]}
+    assert rl["stages"]["model"] == {"from": "Qwen/Qwen3-Omni-30B-A3B-Instruct", "to": "Qwen/Qwen3-Omni-30B-A3B-Instruct"}
+    argv = shlex.split(rl["entrypoint"])
+    assert argv[:3] == ["/opt/venv/bin/python3", "-m", "verl_omni.trainer.main_omni"] and argv[3:] == rl["overrides"]
+    assert f"data.train_files={folder}/train.parquet" in argv and f"data.val_files={folder}/test.parquet" in argv
+    assert 'trainer.logger=["console","mlflow"]' in argv
+    assert f"trainer.default_local_dir={shared}/runs/vo/{run_key}/rl/checkpoints" in argv
+    assert "actor_rollout_ref.rollout.n=8" in argv and argv[-1] == "actor_rollout_ref.rollout.gpu_memory_utilization=0.6"
+    assert rl["runtime_env"]["env_vars"] == {
+        "VERL_USE_EXTERNAL_MODULES": "verl_omni", "MLFLOW_TRACKING_URI": data["tracking_uri"],
+        "MLFLOW_RUN_ID": "<the stage's MLflow child run>", "AWS_SECRET_ACCESS_KEY": "<from the driver's $AWS_SECRET_ACCESS_KEY>"}
+    text = cli("run", str(path), "--dry-run")
+    assert text.returncode == 0, text.stderr
+    assert "rl (rl, backend verl_omni)" in text.stdout and "VeRL-Omni recipe qwen3-omni-thinker-gspo-mmk12" in text.stdout
+
+
+# ---- the example pipelines ------------------------------------------------------------------------
+
+
+def native_overrides(path: Path) -> list[str]:
+    """The override the file's comment gives for running it natively on a CPU."""
+    lines = [line.strip().removeprefix("#").strip() for line in path.read_text().splitlines() if line.startswith("#")]
+    start = next(i for i, line in enumerate(lines) if line.startswith("omni run "))
+    text = " ".join(line.rstrip("\\").strip() for line in lines[start:start + 8] if line)
+    text = text[: text.index("name:")] if "name:" in text else text
+    words = shlex.split(text.split("omni run ", 1)[1])
+    assert words[0] == f"configs/{path.name}"
+    return words[1:]
+
+
+@pytest.mark.parametrize(("path", "stage", "recipe", "gpus"), [
+    (MMK12, "gspo", "qwen3-omni-thinker-gspo-mmk12", "4x H800 80GB"),
+    (OCR, "flow_grpo", "qwen-image-flowgrpo-ocr-lora", "4 GPUs"),
+])
+def test_example_pipelines_render_the_recipe_and_plan_natively(path, stage, recipe, gpus):
+    config = load_pipeline(path)
+    assert gpus in get_recipe(recipe).published and f"GPUs: {gpus.split(' (')[0].replace(' GPUs', '')}" in path.read_text()
+    command = recipe_command(config.stage(stage), PATHS)
+    overrides, env = _expected(recipe, {})
+    assert command.argv == ["python3", "-m", get_recipe(recipe).module, *overrides]  # the script's, substituted
+    assert command.env == env
+    native = load_pipeline(path, native_overrides(path))
+    assert native.stage(stage).backend == "native" and native.ray.address == "local"
+    from omni_core.pipeline.plan import plan_pipeline
+
+    entries = {e["name"]: e for e in plan_pipeline(native)}
+    assert entries[stage]["backend"] == "native"
+
+
+@pytest.mark.slow
+def test_the_ocr_example_runs_natively_on_cpu(pipeline_model_env, tmp_path):
+    from pipeline_runs import run_in_order
+
+    overrides = [o for o in native_overrides(OCR) if not o.startswith(("store=", "tracking_uri="))]
+    config = load_pipeline(OCR, [*overrides, f"store={tmp_path / 'store'}",
+                                 f"tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", "ray.num_cpus=2"])
+    run = run_in_order(config)
+    outcome = run.outcomes["flow_grpo"]
+    assert outcome.status == "completed" and outcome.outputs["global_step"] == 1
+    manifest = json.loads((Path(outcome.outputs["checkpoint_uri"]) / "_manifest.json").read_text())
+    assert manifest["algorithm"] == "flow_grpo" and manifest["weights"]
