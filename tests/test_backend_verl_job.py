@@ -5,6 +5,7 @@ runtime env; a resubmission finds the finished job, and one after a stopped job 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -141,3 +142,67 @@ def test_a_verl_job_runs_on_ray_with_progress_mirroring_and_mlflow(ray_jobs, tmp
     second = submit(ray_jobs, sleeper, pipeline="p", stage="s", run_key="k2", env={})
     assert second.submitted and second.submission_id == "omni-verl-p-s-k2-attempt-2"
     stop(ray_jobs, second.submission_id)
+
+
+def test_a_verl_omni_recipe_stage_goes_through_the_job_path_up_to_the_jobs_start(ray_jobs, tmp_path, omni_cache):
+    """backend verl_omni on the real Ray head: the stage exports MMK12 in the recipe's layout, stages the
+    model, submits the rendered command with its runtime env. The job's python is a wrapper around an
+    interpreter without verl_omni (no GPUs here): it prints the argv and env it got, then fails importing
+    verl_omni, which the launcher reports as such."""
+    from omni_core.backends.verl.runner import VerlJobError
+    from omni_core.backends.verl_omni.runner import run_verl_omni_stage
+    from omni_core.backends.verl_omni.stage import paths_for, recipe_command
+    from omni_core.config import validate_pipeline
+
+    store = Store(str(tmp_path / "store"))
+    version = ingest(store, "mmk12", DatasetConfig(source="fixtures://mmk12?rows=4&seed=0", converter="mmk12"),
+                     progress=lambda _: None).version
+    real = verl_python()  # an interpreter that exists, has no verl_omni
+    wrapper = tmp_path / "python3"
+    wrapper.write_text("#!/bin/sh\n"
+                       'echo "omni-test-env=$VERL_USE_EXTERNAL_MODULES,$MLFLOW_RUN_ID,$MLFLOW_TRACKING_URI"\n'
+                       f"{real} -c 'import json, sys; print(\"omni-test-argv=\" + json.dumps(sys.argv[1:]))' \"$@\"\n"
+                       f'exec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    shared = tmp_path / "shared"
+    config = validate_pipeline({
+        "name": "vo", "store": str(tmp_path / "store"), "ray": {"address": ray_jobs.get_address()},
+        "datasets": {"mmk12": {"source": "fixtures://mmk12?rows=4&seed=0", "converter": "mmk12"}},
+        "stages": [{"name": "gspo", "kind": "rl", "model": "tiny://lm", "data": "mmk12:train",
+                    "algorithm": {"name": "gspo"}, "rollout": {"n": 2}, "trainer": {"total_steps": 2},
+                    "checkpoint": {"save_freq": 1},
+                    "backend": {"name": "verl_omni", "recipe": "qwen3-omni-thinker-gspo-mmk12",
+                                "shared_dir": str(shared), "python": str(wrapper),
+                                "entrypoint_resources": {"entrypoint_num_cpus": 1}}}]})
+    stage = config.stage("gspo")
+    lines: list[str] = []
+    with pytest.raises(VerlJobError) as failed:
+        run_verl_omni_stage(pipeline="vo", stage=stage, seed=0, store=store, dataset="mmk12", version=version,
+                            split="train", run_key="k1", ray_address=ray_jobs.get_address(),
+                            tracking_uri="http://127.0.0.1:1", mlflow_run_id="run-123", progress=lines.append,
+                            log_dir=tmp_path / "logs", poll_s=0.5, timeout_s=120)
+    job_id = submission_id("vo", "gspo", "k1")
+    message = str(failed.value)
+    assert f"VeRL-Omni job {job_id} ended FAILED: the job's python ({wrapper}) cannot import 'verl_omni'" in message
+    assert "ModuleNotFoundError: No module named 'verl_omni'" in message  # the log tail: the job's own error
+    assert any(f"as Ray Job {job_id} (submitted)" in line for line in lines)
+    # staged on the shared path: the export in the recipe's layout, the model
+    folder = shared / "datasets" / "mmk12" / version / "verl_omni-inline"
+    assert (folder / "_manifest.json").is_file() and (folder / "train.parquet").is_file()
+    staged = sorted((shared / "models" / "tiny").iterdir())
+    assert len(staged) == 1 and (staged[0] / "config.json").is_file()
+    # the job Ray ran: the rendered command, its argv and env as the entry point saw them
+    command = recipe_command(stage, paths_for(stage, pipeline="vo", run_key="k1", model=str(staged[0]),
+                                              train_files=[str(folder / "train.parquet")],
+                                              val_files=[str(folder / "test.parquet")]))
+    info = ray_jobs.get_job_info(job_id)
+    assert info.entrypoint == command.entrypoint
+    assert info.runtime_env["env_vars"]["VERL_USE_EXTERNAL_MODULES"] == "verl_omni"
+    log = ray_jobs.get_job_logs(job_id)
+    assert "omni-test-env=verl_omni,run-123,http://127.0.0.1:1" in log
+    argv = json.loads(next(line for line in log.splitlines() if line.startswith("omni-test-argv="))
+                      .removeprefix("omni-test-argv="))
+    assert [str(wrapper), *argv] == command.argv
+    assert 'trainer.logger=["console","mlflow"]' in argv and "actor_rollout_ref.rollout.n=2" in argv
+    assert f"trainer.default_local_dir={shared}/runs/vo/k1/gspo/checkpoints" in argv
+    assert "trainer.total_training_steps=2" in argv and "trainer.save_freq=1" in argv
