@@ -336,6 +336,37 @@ def test_dockerfile_build_args_match_the_gpu_extra(target: str) -> None:
     assert not unpinned, f"{target}: build args without a default: {unpinned}"
 
 
+RECIPE_PACKAGES = {"mlflow": "MLFLOW_VERSION", "math-verify": "MATH_VERIFY_VERSION",
+                   "qwen-vl-utils": "QWEN_VL_UTILS_VERSION", "qwen-omni-utils": "QWEN_OMNI_UTILS_VERSION",
+                   "levenshtein": "LEVENSHTEIN_VERSION"}
+
+
+@pytest.mark.parametrize("target", sorted(DOCKERFILES))
+def test_images_hold_what_the_verl_omni_recipes_need(target: str) -> None:
+    """verl-omni at the commit the recipe catalog was read from (with its ocr and audio extras), and the
+    recipes' logger, reward and processor dependencies pinned, installed and checked at build time."""
+    from omni_core.backends.verl_omni.catalog import VERL_OMNI_COMMIT
+
+    text = DOCKERFILES[target].read_text()
+    args = arg_defaults(text)
+    assert args["VERL_OMNI_REF"] == VERL_OMNI_COMMIT
+    assert '"verl-omni[ocr,audio] @ git+https://github.com/verl-project/verl-omni.git@${VERL_OMNI_REF}"' in text
+    project = {(r := Requirement(line)).name: r
+               for line in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    for name, arg in RECIPE_PACKAGES.items():
+        assert re.fullmatch(r"\d+(\.\d+)+", args[arg] or ""), f"{target}: ARG {arg} must pin a version"
+        assert f'"{name}==${{{arg}}}"' in text, f"{target}: {name} must be installed at ARG {arg}"
+        if name in project:  # the image's client is one our own code (and the CI environment) accepts
+            assert project[name].specifier.contains(args[arg]), f"{target}: {name} {args[arg]} vs {project[name]}"
+    check = next(line for line in text.splitlines() if "find_spec" in line)
+    for module in ("verl_omni", "mlflow", "math_verify", "qwen_vl_utils", "qwen_omni_utils", "Levenshtein"):
+        assert f"'{module}'" in check, f"{target}: the build does not check that {module} imports"
+    # the recipes' reward files resolve inside the image's site-packages (render.VERL_OMNI_ROOT)
+    from omni_core.backends.verl_omni.render import VERL_OMNI_ROOT
+
+    assert VERL_OMNI_ROOT == "/opt/venv/lib/python3.12/site-packages" and "/opt/venv" in text
+
+
 def test_builtin_specs_and_their_base_images() -> None:
     cuda, ascend = load_spec("cuda"), load_spec("ascend")
     assert cuda.platforms == ["linux/amd64"] and ascend.platforms == ["linux/amd64", "linux/arm64"]
