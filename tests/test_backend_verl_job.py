@@ -1,7 +1,8 @@
 """The verl command as a Ray Job on a real `ray start --head` (127.0.0.1, its own temp dir): the job's
 python is the verl environment; the log is tailed into progress ("step N of M") and a file; each new
 checkpoint is mirrored into the store while the job runs; verl logs into our MLflow run through the
-runtime env; a resubmission finds the finished job, and one after a stopped job is `-attempt-2`."""
+runtime env; a resubmission finds the finished job, and one after a stopped job is `-attempt-2`. And
+a VeRL-Omni recipe stage's job path up to the job's start (its entry point needs GPUs)."""
 
 from __future__ import annotations
 

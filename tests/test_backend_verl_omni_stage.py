@@ -161,8 +161,8 @@ def native_overrides(path: Path) -> list[str]:
     """The override the file's comment gives for running it natively on a CPU."""
     lines = [line.strip().removeprefix("#").strip() for line in path.read_text().splitlines() if line.startswith("#")]
     start = next(i for i, line in enumerate(lines) if line.startswith("omni run "))
-    text = " ".join(line.rstrip("\\").strip() for line in lines[start:start + 8] if line)
-    text = text[: text.index("name:")] if "name:" in text else text
+    end = next(i for i in range(start, len(lines)) if not lines[i].endswith("\\"))
+    text = " ".join(line.rstrip("\\").strip() for line in lines[start:end + 1])
     words = shlex.split(text.split("omni run ", 1)[1])
     assert words[0] == f"configs/{path.name}"
     return words[1:]
