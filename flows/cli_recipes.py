@@ -85,9 +85,11 @@ def show_command(
     for note in recipe.notes:
         print(f"#   {note}")
     print(_command_text(command))
+    from omni_core.backends.verl_omni.stage import NATIVE_ALGORITHM
+
     stage = {"name": recipe.algorithm.lower().replace("-", "_"), "kind": "rl", "model": recipe.model,
-             "data": f"{recipe.dataset}:train", "backend": {"name": "verl_omni", "recipe": recipe.name,
-                                                            "shared_dir": shared_dir, **recipe.example}}
+             "data": f"{recipe.dataset}:train", "algorithm": {"name": NATIVE_ALGORITHM[recipe.algorithm.lower()]},
+             "backend": {"name": "verl_omni", "recipe": recipe.name, "shared_dir": shared_dir, **recipe.example}}
     print("# pipeline stage to start from:")
     print(yaml.safe_dump({"stages": [stage]}, sort_keys=False).rstrip())
 

@@ -18,9 +18,10 @@ import pytest
 import yaml
 from test_backend_verl_omni_catalog import PATHS, _expected
 
-from omni_core.backends.verl_omni.catalog import get_recipe
+from omni_core.backends.verl_omni.catalog import get_recipe, recipes
+from omni_core.backends.verl_omni.export import RECIPE_LAYOUTS
 from omni_core.backends.verl_omni.render import render_recipe
-from omni_core.backends.verl_omni.stage import recipe_command
+from omni_core.backends.verl_omni.stage import plan, recipe_command
 from omni_core.config import load_pipeline, validate_pipeline
 from omni_core.errors import ConfigError
 from omni_core.training import rl_run_key
@@ -199,3 +200,53 @@ def test_the_ocr_example_runs_natively_on_cpu(pipeline_model_env, tmp_path):
     assert outcome.status == "completed" and outcome.outputs["global_step"] == 1
     manifest = json.loads((Path(outcome.outputs["checkpoint_uri"]) / "_manifest.json").read_text())
     assert manifest["algorithm"] == "flow_grpo" and manifest["weights"]
+
+
+@pytest.mark.parametrize("name", sorted(recipes()))
+def test_the_stage_omni_recipes_show_prints_validates_and_renders(name, tmp_path):
+    """Every recipe's stage snippet is a valid stage that renders the recipe's example command; a recipe
+    whose data omni does not export needs data.train_files in backend.overrides."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    shown = CliRunner().invoke(app, ["recipes", "show", name, "--shared-dir", str(tmp_path / "nfs")])
+    assert shown.exit_code == 0, shown.output
+    stage = yaml.safe_load(shown.output.split("# pipeline stage to start from:\n", 1)[1])["stages"][0]
+    recipe = get_recipe(name)
+    data = {"name": "shown", "ray": {"address": "http://127.0.0.1:8265"}, "stages": [stage],
+            "datasets": {recipe.dataset: {"source": "fixtures://x", "converter": recipe.dataset}}}
+    if name not in RECIPE_LAYOUTS:
+        assert "is not exported by omni yet" in _error(copy.deepcopy(data))
+        stage["backend"]["overrides"] = ["data.train_files=/data/train.parquet", "data.val_files=/data/test.parquet"]
+    config = validate_pipeline(data)
+    command = recipe_command(config.stages[0], PATHS)
+    expected = render_recipe(name, recipe.example, PATHS)
+    assert command.argv[:len(expected.argv)] == expected.argv and command.env == expected.env
+    entry = plan(config.stages[0], pipeline="shown", seed=0, dataset=recipe.dataset, converter=recipe.dataset,
+                 version=None, splits=None, run_key=None, tracking_uri=None, ray_address="http://127.0.0.1:8265")
+    if name not in RECIPE_LAYOUTS:
+        assert entry["stages"]["dataset"]["files"] == ["/data/train.parquet", "/data/test.parquet"]
+        assert "data.train_files=/data/train.parquet" in entry["overrides"]
+
+
+def test_an_imported_script_outside_the_catalog_is_a_stage(tmp_path):
+    from omni_core.backends.verl_omni.importer import import_script
+
+    backend = import_script("#!/bin/bash\nexport VERL_USE_EXTERNAL_MODULES=verl_omni\nexport MY_FLAG=1\n"
+                            "python3 -m verl_omni.trainer.main_omni data.train_files=$HOME/d/train.parquet "
+                            "actor_rollout_ref.model.path=Qwen/X algorithm.adv_estimator=grpo \"$@\"\n")
+    assert "recipe" not in backend
+    data = pipeline(tmp_path, data="gsm8k:train", backend={**backend, "shared_dir": str(tmp_path / "sh")})
+    data["datasets"] = {"gsm8k": {"source": "fixtures://gsm8k?rows=4", "converter": "gsm8k"}}
+    stage = validate_pipeline(data).stage("rl")
+    entry = plan(stage, pipeline="vo", seed=0, dataset="gsm8k", converter="gsm8k", version="v1", splits=["train"],
+                 run_key="k", tracking_uri=None, ray_address="http://127.0.0.1:8265")
+    folder = f"{tmp_path}/sh/datasets/gsm8k/v1/verl_omni-inline"
+    assert entry["entrypoint"].startswith(f"python3 -m verl_omni.trainer.main_omni data.train_files={folder}/train.parquet "
+                                          "actor_rollout_ref.model.path=Qwen/X algorithm.adv_estimator=grpo")
+    assert entry["stages"]["model"]["from"] == "Qwen/X"
+    assert entry["runtime_env"]["env_vars"] == {"VERL_USE_EXTERNAL_MODULES": "verl_omni", "MY_FLAG": "1",
+                                                "MLFLOW_RUN_ID": "<the stage's MLflow child run>"}
+    data["datasets"]["gsm8k"]["converter"] = "avqa"
+    assert "an imported entry point reads the store's verl Parquet" in _error(data)

@@ -29,9 +29,16 @@ from typing import Any
 from omni_core.backends.verl import export, mirror
 from omni_core.backends.verl.job import follow, submit
 from omni_core.backends.verl.runner import VerlJobError, _client, _commit_merged, _merge
-from omni_core.backends.verl_omni.export import export_for_recipe
+from omni_core.backends.verl_omni.export import RECIPE_LAYOUTS, export_for_recipe
 from omni_core.backends.verl_omni.render import split_override
-from omni_core.backends.verl_omni.stage import CHECKPOINTS, job_env, model_for, paths_for, recipe_command
+from omni_core.backends.verl_omni.stage import (
+    CHECKPOINTS,
+    given_files,
+    job_env,
+    model_for,
+    paths_for,
+    recipe_command,
+)
 from omni_core.errors import ConfigError
 from omni_core.storage import Store
 from omni_core.training.checkpoint import MANIFEST, checkpoint_prefix, latest_checkpoint, stage_prefix
@@ -74,7 +81,9 @@ def explain_failure(log: str, python: str) -> str:
 def _inputs(stage: Any, store: Store, dataset: str, version: str, split: str, seed: int) -> tuple[list, list, str]:
     """(train files, val files, model path) staged on the shared path."""
     backend = stage.backend
-    if backend.recipe:
+    if backend.recipe and backend.recipe not in RECIPE_LAYOUTS and given_files(stage, "data.train_files"):
+        train, val = given_files(stage, "data.train_files"), given_files(stage, "data.val_files")  # not exported
+    elif backend.recipe:
         exported = export_for_recipe(store, dataset, version, backend.shared_dir, backend.recipe)
         train, val = exported.train_files, exported.val_files
     else:  # an imported entry point: the store's verl Parquet

@@ -22,7 +22,7 @@ from typing import Any
 from omni_core.backends.verl.job import describe_env, runtime_env, submission_id
 from omni_core.backends.verl.stage import planned_model_path
 from omni_core.backends.verl_omni.catalog import Recipe, get_recipe
-from omni_core.backends.verl_omni.export import LAYOUT_CONVERTERS, MODALITIES, recipe_layout
+from omni_core.backends.verl_omni.export import LAYOUT_CONVERTERS, MODALITIES, RECIPE_LAYOUTS, recipe_layout
 from omni_core.backends.verl_omni.options import VerlOmniBackend
 from omni_core.backends.verl_omni.render import RecipeCommand, RecipePaths, render_recipe, render_stage
 from omni_core.errors import ConfigError
@@ -54,6 +54,7 @@ NOT_FOR_RECIPES = {
     "num_cpus": "the recipe places its workers from backend.nnodes and backend.n_gpus_per_node",
 }
 EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
+GIVEN = "given"  # the recipe's data prepared by its own data_process script, named in backend.overrides
 CHECKPOINTS = "checkpoints"  # trainer.default_local_dir = run_dir/checkpoints; the scripts' log folders in run_dir
 
 
@@ -134,10 +135,24 @@ def recipe_command(stage: Any, paths: RecipePaths) -> RecipeCommand:
     return command
 
 
+def given_files(stage: Any, key: str) -> list[str]:
+    """The files `backend.overrides` gives for `key` (data.train_files / data.val_files), last one wins."""
+    found: list[str] = []
+    for item in stage.backend.overrides:
+        name, _, value = item.partition("=")
+        if name.lstrip("+") == key:
+            value = value.strip()
+            found = [v.strip().strip("'\"") for v in value[1:-1].split(",")] if value.startswith("[") else [value]
+    return [f for f in found if f]
+
+
 def layout(stage: Any, converter: str) -> str:
-    """The export layout the stage's recipe reads from a dataset of `converter` (ConfigError otherwise)."""
+    """The export layout the stage's recipe reads from a dataset of `converter` (ConfigError otherwise);
+    `given` for a recipe whose data omni does not export when backend.overrides sets data.train_files."""
     recipe = recipe_of(stage)
     if recipe is not None:
+        if recipe.name not in RECIPE_LAYOUTS and given_files(stage, "data.train_files"):
+            return GIVEN
         try:
             return recipe_layout(recipe.name, converter)
         except ConfigError as exc:
@@ -158,10 +173,14 @@ def paths_for(stage: Any, *, pipeline: str, run_key: str, model: str, train_file
 
 
 def model_for(stage: Any) -> str:
-    """The model the stage trains: its `model:` when the file sets it, else the recipe's own."""
+    """The model the stage trains: its `model:` when the file sets it, else the recipe's own (an imported
+    script's: its actor_rollout_ref.model.path)."""
     recipe = recipe_of(stage)
-    if "model" not in stage.model_fields_set and recipe is not None:
-        return recipe.model
+    if "model" not in stage.model_fields_set:
+        if recipe is not None:
+            return recipe.model
+        if script_model := given_files(stage, "actor_rollout_ref.model.path"):
+            return script_model[-1]
     return stage.model_uri if isinstance(stage.model, str) or stage.model.uri else f"<checkpoint of {stage.model.from_}>"
 
 
@@ -208,7 +227,11 @@ def plan(stage: Any, *, pipeline: str, seed: int, dataset: str, converter: str |
     key = run_key or "<run_key>"
     layout_name = layout(stage, converter) if converter else "inline"
     folder = Path(backend.shared_dir) / "datasets" / dataset / version_text / f"verl_omni-{layout_name}"
-    files = planned_files(layout_name, folder, splits or ["train", "test"])
+    if layout_name == GIVEN:  # nothing exported: the files the overrides name
+        files = {"train": given_files(stage, "data.train_files"), "test": given_files(stage, "data.val_files")}
+        folder = Path("(backend.overrides)")
+    else:
+        files = planned_files(layout_name, folder, splits or ["train", "test"])
     train = files.get("train", [])
     val = files.get("test") or files.get("validation") or []
     model_uri = model_for(stage)
