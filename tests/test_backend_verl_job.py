@@ -146,43 +146,48 @@ def test_a_verl_job_runs_on_ray_with_progress_mirroring_and_mlflow(ray_jobs, tmp
 
 
 def test_a_verl_omni_recipe_stage_goes_through_the_job_path_up_to_the_jobs_start(ray_jobs, tmp_path, omni_cache):
-    """backend verl_omni on the real Ray head: the stage exports MMK12 in the recipe's layout, stages the
-    model, submits the rendered command with its runtime env. The job's python is a wrapper around an
-    interpreter without verl_omni (no GPUs here): it prints the argv and env it got, then fails importing
-    verl_omni, which the launcher reports as such."""
+    """backend verl_omni on the real Ray head, through the pipeline's rl stage: the stage exports MMK12 in
+    the recipe's layout, stages the model, submits the rendered command with its runtime env. The job's
+    python is a wrapper around an interpreter without verl_omni (no GPUs here): it prints the argv and env
+    it got, then fails importing verl_omni, which the stage reports as such."""
     from omni_core.backends.verl.runner import VerlJobError
-    from omni_core.backends.verl_omni.runner import run_verl_omni_stage
     from omni_core.backends.verl_omni.stage import paths_for, recipe_command
     from omni_core.config import validate_pipeline
+    from omni_core.pipeline.run import PipelineRun
 
-    store = Store(str(tmp_path / "store"))
-    version = ingest(store, "mmk12", DatasetConfig(source="fixtures://mmk12?rows=4&seed=0", converter="mmk12"),
-                     progress=lambda _: None).version
     real = verl_python()  # an interpreter that exists, has no verl_omni
     wrapper = tmp_path / "python3"
     wrapper.write_text("#!/bin/sh\n"
-                       'echo "omni-test-env=$VERL_USE_EXTERNAL_MODULES,$MLFLOW_RUN_ID,$MLFLOW_TRACKING_URI"\n'
+                       'echo "omni-test-env=$VERL_USE_EXTERNAL_MODULES,${MLFLOW_RUN_ID:+run},$MLFLOW_TRACKING_URI"\n'
                        f"{real} -c 'import json, sys; print(\"omni-test-argv=\" + json.dumps(sys.argv[1:]))' \"$@\"\n"
                        f'exec {real} "$@"\n')
     wrapper.chmod(0o755)
     shared = tmp_path / "shared"
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = validate_pipeline({
-        "name": "vo", "store": str(tmp_path / "store"), "ray": {"address": ray_jobs.get_address()},
+        "name": "vo", "store": str(tmp_path / "store"), "tracking_uri": tracking,
+        "ray": {"address": ray_jobs.get_address()},
         "datasets": {"mmk12": {"source": "fixtures://mmk12?rows=4&seed=0", "converter": "mmk12"}},
-        "stages": [{"name": "gspo", "kind": "rl", "model": "tiny://lm", "data": "mmk12:train",
+        "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["mmk12"]},
+                   {"name": "gspo", "kind": "rl", "after": ["ingest"], "model": "tiny://lm", "data": "mmk12:train",
                     "algorithm": {"name": "gspo"}, "rollout": {"n": 2}, "trainer": {"total_steps": 2},
                     "checkpoint": {"save_freq": 1},
                     "backend": {"name": "verl_omni", "recipe": "qwen3-omni-thinker-gspo-mmk12",
                                 "shared_dir": str(shared), "python": str(wrapper),
                                 "entrypoint_resources": {"entrypoint_num_cpus": 1}}}]})
-    stage = config.stage("gspo")
     lines: list[str] = []
-    with pytest.raises(VerlJobError) as failed:
-        run_verl_omni_stage(pipeline="vo", stage=stage, seed=0, store=store, dataset="mmk12", version=version,
-                            split="train", run_key="k1", ray_address=ray_jobs.get_address(),
-                            tracking_uri="http://127.0.0.1:1", mlflow_run_id="run-123", progress=lines.append,
-                            log_dir=tmp_path / "logs", poll_s=0.5, timeout_s=120)
-    job_id = submission_id("vo", "gspo", "k1")
+    run = PipelineRun.start(config, progress=lines.append)
+    try:
+        version = run.run_stage("ingest").outputs["datasets"]["mmk12"]["version"]
+        with pytest.raises(VerlJobError) as failed:
+            run.run_stage("gspo")
+    finally:
+        run.finish(False)
+    stage = config.stage("gspo")
+    from omni_core.training import rl_run_key
+
+    run_key = rl_run_key(stage, 0, version)
+    job_id = submission_id("vo", "gspo", run_key)
     message = str(failed.value)
     assert f"VeRL-Omni job {job_id} ended FAILED: the job's python ({wrapper}) cannot import 'verl_omni'" in message
     assert "ModuleNotFoundError: No module named 'verl_omni'" in message  # the log tail: the job's own error
@@ -193,17 +198,26 @@ def test_a_verl_omni_recipe_stage_goes_through_the_job_path_up_to_the_jobs_start
     staged = sorted((shared / "models" / "tiny").iterdir())
     assert len(staged) == 1 and (staged[0] / "config.json").is_file()
     # the job Ray ran: the rendered command, its argv and env as the entry point saw them
-    command = recipe_command(stage, paths_for(stage, pipeline="vo", run_key="k1", model=str(staged[0]),
+    command = recipe_command(stage, paths_for(stage, pipeline="vo", run_key=run_key, model=str(staged[0]),
                                               train_files=[str(folder / "train.parquet")],
                                               val_files=[str(folder / "test.parquet")]))
     info = ray_jobs.get_job_info(job_id)
     assert info.entrypoint == command.entrypoint
     assert info.runtime_env["env_vars"]["VERL_USE_EXTERNAL_MODULES"] == "verl_omni"
     log = ray_jobs.get_job_logs(job_id)
-    assert "omni-test-env=verl_omni,run-123,http://127.0.0.1:1" in log
+    assert f"omni-test-env=verl_omni,run,{tracking}" in log
     argv = json.loads(next(line for line in log.splitlines() if line.startswith("omni-test-argv="))
                       .removeprefix("omni-test-argv="))
     assert [str(wrapper), *argv] == command.argv
     assert 'trainer.logger=["console","mlflow"]' in argv and "actor_rollout_ref.rollout.n=2" in argv
-    assert f"trainer.default_local_dir={shared}/runs/vo/k1/gspo/checkpoints" in argv
+    assert f"trainer.default_local_dir={shared}/runs/vo/{run_key}/gspo/checkpoints" in argv
     assert "trainer.total_training_steps=2" in argv and "trainer.save_freq=1" in argv
+    # the stage's MLflow run: the job, the recipe and the command, the job's log as an artifact
+    client = MlflowClient(tracking)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("vo").experiment_id],
+                                  "tags.`mlflow.runName` = 'gspo'")
+    tags = mlrun.data.tags
+    assert (tags["omni.backend"], tags["omni.verl_omni.recipe"], tags["omni.verl.submission_id"]) == \
+        ("verl_omni", "qwen3-omni-thinker-gspo-mmk12", job_id)
+    assert {a.path for a in client.list_artifacts(mlrun.info.run_id, "verl")} == \
+        {"verl/command.json", f"verl/{job_id}.log"}
