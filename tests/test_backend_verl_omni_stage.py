@@ -250,3 +250,34 @@ def test_an_imported_script_outside_the_catalog_is_a_stage(tmp_path):
                                                 "MLFLOW_RUN_ID": "<the stage's MLflow child run>"}
     data["datasets"]["gsm8k"]["converter"] = "avqa"
     assert "an imported entry point reads the store's verl Parquet" in _error(data)
+
+
+def test_the_final_checkpoint_commits_the_recipes_lora_adapter(tmp_path):
+    """A recipe's last global_step_N, mirrored, is committed naming what it holds: the PEFT adapter before
+    a Hugging Face folder; the manifest is written again and the weights' sha256 is the file's."""
+    import hashlib
+
+    from omni_core.backends.verl import mirror
+    from omni_core.backends.verl_omni.runner import _commit_final, final_weights
+    from omni_core.backends.verl_omni.stage import recipe_command
+    from omni_core.storage import Store
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    actor = ckpt / "global_step_3" / "actor"
+    for rel, data in (("lora_adapter/adapter_model.safetensors", b"lora"), ("lora_adapter/adapter_config.json", b"{}"),
+                      ("huggingface/config.json", b"{}"), ("model_world_size_1_rank_0.pt", b"shard")):
+        (actor / rel).parent.mkdir(parents=True, exist_ok=True)
+        (actor / rel).write_bytes(data)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
+    store = Store(str(tmp_path / "store"))
+    assert mirror.mirror_new(ckpt, store, "runs/p/k/rl") == [3]
+    command = recipe_command(validate_pipeline(pipeline(tmp_path)).stage("rl"), PATHS)
+    manifest = _commit_final(store, "runs/p/k/rl", 3, ckpt, None, command, "job-1", {}, 0.1, print)
+    assert (manifest["weights"], manifest["model_format"]) == ("actor/lora_adapter/adapter_model.safetensors", "peft_lora")
+    assert manifest["recipe"] == "qwen3-omni-thinker-gspo-mmk12" and manifest["submission_id"] == "job-1"
+    assert store.read_json("runs/p/k/rl/checkpoints/global_step_3/_manifest.json") == manifest
+    entry = next(f for f in manifest["files"] if f["path"] == manifest["weights"])
+    assert entry["sha256"] == hashlib.sha256(b"lora").hexdigest()
+    assert final_weights([{"path": "actor/huggingface/model.safetensors"}]) == \
+        ("actor/huggingface/model.safetensors", "huggingface")
+    assert final_weights([{"path": "actor/model_world_size_1_rank_0.pt"}]) is None

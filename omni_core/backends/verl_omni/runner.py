@@ -14,19 +14,23 @@ backend's machinery (omni_core.backends.verl: job.submit / follow, mirror.mirror
 4. job.follow tails the log into progress and mirrors each committed `global_step_N` to the store.
 5. The result is what the recipe's last checkpoint holds (`final_weights`): a LoRA adapter
    (`actor/lora_adapter/*.safetensors`, PEFT format: the LoRA recipes, diffusion ones included), else
-   a Hugging Face / diffusers folder (`actor/huggingface/`); with FSDP shards only, verl's model merger
-   runs as for backend verl. The mirrored checkpoint's manifest is written again (last) naming it.
-   Not run here: the entry points need GPUs (or NPUs) and vLLM-Omni.
+   a Hugging Face / diffusers folder (`actor/huggingface/`). A LoRA checkpoint of FSDP shards only
+   (`actor/lora_train_meta.json`) gets VeRL-Omni's own `export_fsdp_lora_adapter` as a second Ray Job
+   (what its DPO judge script does) into `actor/lora_adapter/`; a full fine-tune's shards go through
+   verl's model merger as for backend verl. The mirrored checkpoint's manifest is written again (last)
+   naming the weights. Not run here: the entry points need GPUs (or NPUs) and vLLM-Omni.
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omni_core.backends.verl import export, mirror
+from omni_core.backends.verl.job import _status as job_status
 from omni_core.backends.verl.job import follow, submit
 from omni_core.backends.verl.runner import VerlJobError, _client, _commit_merged, _merge
 from omni_core.backends.verl_omni.export import RECIPE_LAYOUTS, export_for_recipe
@@ -44,7 +48,8 @@ from omni_core.storage import Store
 from omni_core.training.checkpoint import MANIFEST, checkpoint_prefix, latest_checkpoint, stage_prefix
 
 # what a recipe's checkpoint holds as its trained model, in the order looked for
-WEIGHTS = (("lora_adapter/", "peft_lora"), ("huggingface/", "huggingface"))
+LORA_ADAPTER = "lora_adapter"
+WEIGHTS = ((f"{LORA_ADAPTER}/", "peft_lora"), ("huggingface/", "huggingface"))
 MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
 
 
@@ -158,20 +163,55 @@ def run_verl_omni_stage(*, pipeline: str, stage: Any, seed: int, store: Store, d
     if step is None or (total is not None and step < total):
         raise VerlJobError(f"stage {stage.name}: VeRL-Omni job {job.submission_id} succeeded but its latest checkpoint "
                            f"is step {step}, not {total} (is trainer.save_freq overridden?)")
-    return {**_commit_final(store, root, step, ckpt_dir, client, cmd, job.submission_id, env, poll_s, progress),
-            "reused": False, "submission_id": job.submission_id}
+    return {**_commit_final(store, root, step, ckpt_dir, client, cmd, job.submission_id, env, poll_s, progress,
+                            model=model), "reused": False, "submission_id": job.submission_id}
+
+
+def _helper_job(client: Any, entry: str, job_id: str, env: dict[str, Any], poll_s: float) -> tuple[str, str]:
+    """Run `entry` as a Ray Job `job_id` (resubmitted after a failed one); (status, log)."""
+    status = job_status(client, job_id)
+    if status in (None, "FAILED", "STOPPED"):
+        if status is not None:
+            client.delete_job(job_id)
+        client.submit_job(entrypoint=entry, submission_id=job_id, runtime_env=env, entrypoint_num_cpus=1)
+    status = follow(client, job_id, total_steps=0, progress=lambda _: None, poll_s=poll_s)
+    return status, client.get_job_logs(job_id)
+
+
+def _export_lora(client: Any, cmd: Any, actor: Path, model: str, job_id: str, env: dict[str, Any], poll_s: float,
+                 progress: Callable[[str], None]) -> Path:
+    """VeRL-Omni's own `export_fsdp_lora_adapter` as a Ray Job: FSDP shards with `lora_train_meta.json` ->
+    `actor/lora_adapter/` (PEFT `adapter_config.json` + `adapter_model.safetensors`)."""
+    target = actor / LORA_ADAPTER
+    code = ("from verl_omni.utils.fsdp_utils import export_fsdp_lora_adapter; "
+            f"export_fsdp_lora_adapter({str(actor)!r}, {str(target)!r}, {model!r})")
+    export_id = f"{job_id}-lora-{actor.parent.name}"
+    progress(f"exporting the LoRA adapter of {actor.parent.name} (Ray Job {export_id})")
+    status, log = _helper_job(client, shlex.join([cmd.python, "-c", code]), export_id, env, poll_s)
+    if status != "SUCCEEDED" or not (target / "adapter_model.safetensors").is_file():
+        raise VerlJobError(f"VeRL-Omni's LoRA export ({export_id}) ended {status}: {log[-2000:]}")
+    return target
 
 
 def _commit_final(store: Store, root: str, step: int, ckpt_dir: Path, client: Any, cmd: Any, job_id: str,
-                  env: dict[str, Any], poll_s: float, progress: Callable[[str], None]) -> dict[str, Any]:
-    """The mirrored final checkpoint's manifest, written again (last) naming the trained weights."""
+                  env: dict[str, Any], poll_s: float, progress: Callable[[str], None],
+                  model: str = "") -> dict[str, Any]:
+    """The mirrored final checkpoint's manifest, written again (last) naming the trained weights: a LoRA
+    adapter or Hugging Face folder the checkpoint holds; else VeRL-Omni's LoRA export of the FSDP shards
+    (a LoRA training: `actor/lora_train_meta.json`), or verl's model merger (a full fine-tune)."""
     prefix = checkpoint_prefix(root, step)
     manifest = store.read_json(f"{prefix}/{MANIFEST}")
     extra = {"submission_id": job_id, "recipe": cmd.recipe}
     found = final_weights(manifest["files"])
+    step_dir = ckpt_dir / f"global_step_{step}"
+    actor = step_dir / "actor" if (step_dir / "actor").is_dir() else step_dir
+    if found is None and (actor / "lora_train_meta.json").is_file():
+        target = _export_lora(client, cmd, actor, model, job_id, env, poll_s, progress)
+        rels = sorted(p.relative_to(step_dir).as_posix() for p in target.rglob("*") if p.is_file())
+        added = [mirror._upload(store, step_dir, prefix, rel) for rel in rels]
+        manifest = {**manifest, "files": [f for f in manifest["files"] if f["path"] not in set(rels)] + added}
+        found = final_weights(manifest["files"])
     if found is None:  # FSDP shards only (a full fine-tune): verl's model merger, as for backend verl
-        step_dir = ckpt_dir / f"global_step_{step}"
-        actor = step_dir / "actor" if (step_dir / "actor").is_dir() else step_dir
         _merge(client, cmd, actor, job_id, env, poll_s, progress)
         return _commit_merged(store, root, step, actor / "merged", extra)
     weights, model_format = found
