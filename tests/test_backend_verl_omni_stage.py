@@ -281,3 +281,17 @@ def test_the_final_checkpoint_commits_the_recipes_lora_adapter(tmp_path):
     assert final_weights([{"path": "actor/huggingface/model.safetensors"}]) == \
         ("actor/huggingface/model.safetensors", "huggingface")
     assert final_weights([{"path": "actor/model_world_size_1_rank_0.pt"}]) is None
+
+
+def test_keys_the_native_algorithm_does_not_read_still_map_onto_a_recipe(tmp_path):
+    """flow_grpo natively reads neither rollout.max_num_seqs nor separate_async; the SD3.5 recipe does."""
+    data = pipeline(tmp_path, data="ocr:train", algorithm={"name": "flow_grpo"}, rollout={"max_num_seqs": 16},
+                    execution={"mode": "separate_async", "max_staleness": 2, "staleness_policy": "drop"},
+                    backend={"name": "verl_omni", "recipe": "sd35-medium-flowgrpo-ocr-lora-v1-separate-async",
+                             "shared_dir": "/s"})
+    overrides = recipe_command(validate_pipeline(data).stage("rl"), PATHS).overrides
+    assert "+actor_rollout_ref.rollout.engine_kwargs.vllm_omni.max_num_seqs=16" in overrides
+    assert "trainer.v1.sampler.max_off_policy_threshold=2" in overrides
+    native = copy.deepcopy(data)
+    native["stages"][0]["backend"] = "native"
+    assert "stages.rl.rollout.max_num_seqs: not used by flow_grpo" in _error(native)

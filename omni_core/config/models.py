@@ -393,13 +393,14 @@ def _rl_stage_problem(stage: RLStage, datasets: dict[str, DatasetConfig]) -> str
                 "use kind: rl for it")
     if stage.kind == "rl" and record.data == SUPERVISED:
         return f"{where}.algorithm.name: {algo} is supervised fine-tuning: use kind: sft for this stage"
-    unused = stage.unused_keys()
+    recipe = isinstance(stage.backend, VerlOmniBackend)  # the recipe decides what its keys mean (verl_omni_problem)
+    unused = [] if recipe else stage.unused_keys()
     if unused:
         reads = record.stage_keys
         said = "; ".join(f"{s}: {', '.join(k) if k != ALL else 'all'}" for s, k in reads.items()) or "none"
         return (f"{where}.{unused[0]}: not used by {algo} (remove it; {algo} reads {said}; "
                 f"its own options go under algorithm:)")
-    if stage.execution.mode == "separate_async" and not record.separate_async:
+    if stage.execution.mode == "separate_async" and not record.separate_async and not recipe:
         from omni_core.training.algorithms import algorithm_names, get_algorithm
 
         able = [n for n in algorithm_names() if get_algorithm(n).separate_async]
