@@ -15,7 +15,6 @@ to N: a folder at or below the latest step is complete, one above it is still be
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -92,13 +91,12 @@ def mirror_new(run_dir: str | Path, store: Store, stage_root: str, *, keep: int 
 
 
 def _upload(store: Store, folder: Path, prefix: str, rel: str) -> dict[str, Any]:
+    """One file: its sha256 (a committed verl step does not change), then the store's parallel
+    multipart upload (Store.put_file: on S3 as fast as boto3's managed transfer, bench/verl_launcher.py)."""
     path = folder / rel
-    digest = hashlib.sha256()  # of the bytes as sent
-    with open(path, "rb") as src, store.open_write(f"{prefix}/{rel}") as dst:
-        while block := src.read(1 << 20):
-            digest.update(block)
-            dst.write(block)
-    return {"path": rel, "sha256": digest.hexdigest(), "bytes": path.stat().st_size}
+    size, digest = file_digest(path)
+    store.put_file(path, f"{prefix}/{rel}")
+    return {"path": rel, "sha256": digest, "bytes": size}
 
 
 def prepare_resume(run_dir: str | Path, store: Store, stage_root: str) -> int | None:
