@@ -208,8 +208,9 @@ def test_a_killed_trainer_is_retried_by_the_flow_and_resumes_from_s3_to_the_same
     mirrored to S3 and the shared path is deleted; the flow's task retry (`execution.max_failures: 1`)
     resubmits `-attempt-2`, which restores the mirrored checkpoint from S3 and resumes with verl's
     resume_mode=auto. The final merged weights are byte-identical to the uninterrupted run's: verl's SFT
-    on CPU is deterministic here (one rank, gloo, a seeded model and data order, and the restored
-    optimizer state, lr scheduler and data cursor carry the run on exactly)."""
+    on CPU is deterministic here (one rank, gloo, the same staged model, verl's DistributedSampler
+    shuffling with its fixed seed 0 and the epoch, and the restored optimizer state, lr scheduler and
+    data cursor carry the run on exactly)."""
     store_uri = f"s3://{verl_s3}/store"
     shared = tmp_path / "shared"
     config = {"name": "verl-fault", "store": store_uri, "tracking_uri": mlflow_server.url,
