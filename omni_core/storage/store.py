@@ -248,8 +248,7 @@ class Store:
             self._client = boto3.session.Session().client(
                 "s3", endpoint_url=endpoint, region_name=region,
                 config=Config(connect_timeout=S3_CONNECT_TIMEOUT_S, read_timeout=S3_READ_TIMEOUT_S,
-                              retries={"total_max_attempts": S3_ATTEMPTS, "mode": "standard"},
-                              max_pool_connections=4 * S3_PUT_CONCURRENCY))
+                              retries={"total_max_attempts": S3_ATTEMPTS, "mode": "standard"}))
         return self._client
 
     def write_bytes(self, key: str, data: bytes) -> None:

@@ -135,6 +135,8 @@ def follow(client: Any, job_id: str, *, total_steps: int, progress: Callable[[st
     try:
         while True:
             if job_id in _cancelled:
+                with _lock:
+                    _cancelled.discard(job_id)
                 raise JobCancelled(f"Ray Job {job_id} was stopped: the run was interrupted or cancelled")
             status = _status(client, job_id) or "PENDING"
             text = client.get_job_logs(job_id)

@@ -91,12 +91,14 @@ def mirror_new(run_dir: str | Path, store: Store, stage_root: str, *, keep: int 
 
 
 def _upload(store: Store, folder: Path, prefix: str, rel: str) -> dict[str, Any]:
-    """One file: its sha256 (a committed verl step does not change), then the store's parallel
-    multipart upload (Store.put_file: on S3 as fast as boto3's managed transfer, bench/verl_launcher.py)."""
+    """One file: the store's parallel multipart upload (Store.put_file: boto3's managed transfer on S3,
+    bench/verl_launcher.py) while its sha256 is computed beside it (a committed verl step does not change)."""
     path = folder / rel
-    size, digest = file_digest(path)
-    store.put_file(path, f"{prefix}/{rel}")
-    return {"path": rel, "sha256": digest, "bytes": size}
+    with ThreadPoolExecutor(1) as hasher:
+        digest = hasher.submit(file_digest, path)
+        store.put_file(path, f"{prefix}/{rel}")
+        size, sha256 = digest.result()
+    return {"path": rel, "sha256": sha256, "bytes": size}
 
 
 def prepare_resume(run_dir: str | Path, store: Store, stage_root: str) -> int | None:

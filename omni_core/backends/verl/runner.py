@@ -152,7 +152,8 @@ def _merge(client: Any, cmd: Any, step_dir: Path, job_id: str, env: dict[str, An
     python = cmd.argv[0]
     merge = [python, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(step_dir),
              "--target_dir", str(step_dir / MERGED)]
-    version = [python, "-c", "import verl; print('omni-verl-version=' + verl.__version__)"]
+    # the installed distribution's version, read without importing verl (an import costs seconds)
+    version = [python, "-c", "from importlib.metadata import version; print('omni-verl-version=' + version('verl'))"]
     entry = f"{shlex.join(version)} && {shlex.join(merge)}"
     merge_id = f"{job_id}-merge-{step_dir.name}"
     status = job_status(client, merge_id)
