@@ -226,7 +226,7 @@ def main() -> None:
               f"ratio {figures['mirror_ratio']}  ({figures['mirror_folder_mb']} MB, median of "
               f"{figures['mirror_repeats']})", flush=True)
     if args.only != "mirror":
-        steps = args.steps or (4 if args.quick else 300)
+        steps = args.steps or (4 if args.quick else 500)
         figures.update(bench_launcher(steps, rows=64 if args.quick else 256))
         print(f"launcher  stage {figures['launcher_stage_wall_s']} s  job {figures['launcher_job_run_s']} s  "
               f"overhead {figures['launcher_overhead_s']} s ({100 * figures['launcher_overhead_ratio']:.1f}%)  "
