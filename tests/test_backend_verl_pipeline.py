@@ -184,28 +184,36 @@ def _trainers(shared_dir: Path) -> list[psutil.Process]:
 
 def _kill_after_mirrored(store: Store, pipeline: str, shared_dir: Path, step: int, seen: dict,
                          stop: threading.Event) -> None:
-    """Once the store shows `step` mirrored: SIGKILL the trainer, then empty the shared path (a new
-    cluster), so the retry has to restore the checkpoint from S3."""
+    """Once verl's latest file names `step`: SIGSTOP the trainer (so it cannot finish meanwhile); once the
+    store shows the step mirrored: SIGKILL it and empty the shared path (a new cluster), so the retry
+    has to restore the checkpoint from S3."""
+    frozen: list[psutil.Process] = []
     while not stop.is_set():
-        latest = [k for k in store.list(f"runs/{pipeline}") if k.endswith(f"/sft/{LATEST}")]
-        if latest and int(store.read_text(latest[0]).strip()) >= step:
-            trainers = _trainers(shared_dir)
-            if trainers:
+        if not frozen:
+            for latest_file in shared_dir.glob(f"runs/{pipeline}/*/sft/{LATEST}"):
+                text = latest_file.read_text().strip()
+                if text.isdigit() and int(text) >= step:
+                    frozen = _trainers(shared_dir)
+                    for proc in frozen:
+                        proc.send_signal(signal.SIGSTOP)
+        else:
+            latest = [k for k in store.list(f"runs/{pipeline}") if k.endswith(f"/sft/{LATEST}")]
+            if latest and int(store.read_text(latest[0]).strip()) >= step:
                 seen["mirrored"] = int(store.read_text(latest[0]).strip())
                 seen["root"] = latest[0].rsplit("/", 1)[0]
-                for proc in trainers:
+                for proc in frozen:
                     proc.send_signal(signal.SIGKILL)
-                psutil.wait_procs(trainers, timeout=30)
+                psutil.wait_procs(frozen, timeout=30)
                 shutil.rmtree(shared_dir, ignore_errors=True)
                 seen["killed"] = True
                 return
-        time.sleep(0.1)
+        time.sleep(0.05)
 
 
 def test_a_killed_trainer_is_retried_by_the_flow_and_resumes_from_s3_to_the_same_weights(
         uninterrupted, ray_jobs, mlflow_server, verl_s3, tmp_path):  # noqa: F811
-    """The stage runs inside the `pipeline` flow (`omni run`): its trainer is SIGKILLed once step 1 is
-    mirrored to S3 and the shared path is deleted; the flow's task retry (`execution.max_failures: 1`)
+    """The stage runs inside the `pipeline` flow (`omni run`): its trainer is paused once it saved step 1
+    and SIGKILLed once that step is mirrored to S3, and the shared path is deleted; the flow's task retry (`execution.max_failures: 1`)
     resubmits `-attempt-2`, which restores the mirrored checkpoint from S3 and resumes with verl's
     resume_mode=auto. The final merged weights are byte-identical to the uninterrupted run's: verl's SFT
     on CPU is deterministic here (one rank, gloo, the same staged model, verl's DistributedSampler
