@@ -43,7 +43,8 @@ def pipeline(pipeline_file: str | None = None, config: PipelineConfig | None = N
                             force=force or [])
     try:
         futures = run_graph(run)
-    except BaseException:
+    except BaseException:  # also Ctrl-C and a cancel's SIGTERM (Prefect's TerminationSignal), in this thread
+        run.cancel()  # stop the stages' external jobs (verl's Ray Jobs) before the process goes
         run.finish(ok=False)
         raise
     failed = []

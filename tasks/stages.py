@@ -51,6 +51,6 @@ def run_stage(run: PipelineRun, name: str, upstream: dict[str, StageOutcome]) ->
 
 
 def stage_task(stage: AnyStage) -> Task:
-    kind = stage_kind(stage.kind)
-    return run_stage.with_options(name=stage.name, task_run_name=stage.name, retries=kind.retries,
-                                  retry_delay_seconds=kind.retry_delay_s)
+    retries, delays = stage_kind(stage.kind).retry(stage)
+    return run_stage.with_options(name=stage.name, task_run_name=stage.name, retries=retries,
+                                  retry_delay_seconds=delays or 0)

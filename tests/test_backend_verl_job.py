@@ -1,8 +1,9 @@
 """The verl command as a Ray Job on a real `ray start --head` (127.0.0.1, its own temp dir): the job's
 python is the verl environment; the log is tailed into progress ("step N of M") and a file; each new
 checkpoint is mirrored into the store while the job runs; verl logs into our MLflow run through the
-runtime env; a resubmission finds the finished job, and one after a stopped job is `-attempt-2`. And
-a VeRL-Omni recipe stage's job path up to the job's start (its entry point needs GPUs)."""
+runtime env; a resubmission finds the finished job, and one after a stopped job is `-attempt-2`; a
+Ctrl-C while following stops the job. And a VeRL-Omni recipe stage's job path up to the job's start
+(its entry point needs GPUs)."""
 
 from __future__ import annotations
 
@@ -142,7 +143,15 @@ def test_a_verl_job_runs_on_ray_with_progress_mirroring_and_mlflow(ray_jobs, tmp
         time.sleep(0.5)
     second = submit(ray_jobs, sleeper, pipeline="p", stage="s", run_key="k2", env={})
     assert second.submitted and second.submission_id == "omni-verl-p-s-k2-attempt-2"
-    stop(ray_jobs, second.submission_id)
+    # Ctrl-C while following in the main thread: the job is stopped (and STOPPED) before it re-raises
+    def interrupt_once_running() -> None:
+        if ray_jobs.get_job_status(second.submission_id).value == "RUNNING":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        follow(ray_jobs, second.submission_id, total_steps=0, progress=lambda _: None, poll_s=0.2,
+               on_poll=interrupt_once_running, timeout_s=120)
+    assert ray_jobs.get_job_status(second.submission_id).value == "STOPPED"
 
 
 def test_a_verl_omni_recipe_stage_goes_through_the_job_path_up_to_the_jobs_start(ray_jobs, tmp_path, omni_cache):

@@ -206,3 +206,22 @@ def test_plan_and_dry_run_print_the_ray_jobs_without_running_anything(tmp_path):
     assert "sekrit" not in dry.stdout and "<from the driver's $AWS_SECRET_ACCESS_KEY>" in text
     assert not shared.exists()  # nothing staged, nothing submitted
     assert not list(Path(data["store"]).glob("pipelines/**/*"))
+
+
+def test_a_verl_stage_is_retried_by_the_orchestrator_max_failures_times(tmp_path):
+    """A verl stage's failed try (a killed trainer) is the orchestrator's to retry: the Prefect task of
+    the stage gets `execution.max_failures` retries, `retry_backoff_s` doubling; a native stage keeps
+    its kind's retries (it restarts its own actors max_failures times inside one try)."""
+    from tasks.stages import stage_task
+
+    data = pipeline(tmp_path, sft={"execution": {"max_failures": 2, "retry_backoff_s": 1.5}})
+    config = validate_pipeline(data)
+    sft = stage_task(config.stage("sft"))
+    assert (sft.retries, sft.retry_delay_seconds) == (2, [1.5, 3.0])
+    rl = stage_task(config.stage("rl"))  # the defaults: max_failures 3, retry_backoff_s 2
+    assert (rl.retries, rl.retry_delay_seconds) == (3, [2.0, 4.0, 8.0])
+    native = dict(data["stages"][0])
+    native.pop("backend")
+    native_config = validate_pipeline({**data, "stages": [native]})
+    task = stage_task(native_config.stage("sft"))
+    assert (task.retries, task.retry_delay_seconds) == (1, [5.0])

@@ -75,6 +75,20 @@ def test_streamed_multi_mb_write_and_read(store: Store, request: pytest.FixtureR
         assert etag.strip('"').endswith("-2")
 
 
+def test_put_file_uploads_a_local_file_whole(store: Store, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    data = b"".join(_payload(4)) + b"tail"  # 16 MiB + 4 bytes: three 8 MiB parts on S3, sent in parallel
+    (tmp_path / "f.bin").write_bytes(data)
+    store.put_file(tmp_path / "f.bin", "up/f.bin")
+    assert store.read_bytes("up/f.bin") == data and store.list("up") == ["up/f.bin"]
+    if _is_s3(store):
+        s3 = request.getfixturevalue("s3_client")
+        bucket, _, prefix = store.root[len("s3://") :].partition("/")
+        assert s3.head_object(Bucket=bucket, Key=f"{prefix}/up/f.bin")["ETag"].strip('"').endswith("-3")
+        assert _pending_uploads(s3, store) == []
+        with pytest.raises(StorageError, match="omni-no-such-bucket"):
+            Store("s3://omni-no-such-bucket/p").put_file(tmp_path / "f.bin", "x.bin")
+
+
 def test_list_sorted_recursive_prefix_filtered_no_temp_files(store: Store) -> None:
     for key in ["c", "ab/3", "a/b/2", "a/1"]:
         store.write_bytes(key, b"x")

@@ -15,10 +15,7 @@ model's architecture and stage "all" is used: the model comes back whole, as sav
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +120,7 @@ def _download_s3(uri: str) -> Path:
     prefix written again with other content is downloaded again.
     """
     from omni_core.storage import Store
+    from omni_core.storage.local_copy import download_prefix, materialise
 
     try:
         store = Store(uri)
@@ -133,22 +131,7 @@ def _download_s3(uri: str) -> Path:
         final = cache_root() / "models" / "s3" / digest([uri, keys, manifest])
         if final.is_dir():
             return final
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-        try:
-            for key in keys:
-                target = tmp / key
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with store.open_read(key) as src, open(target, "wb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-            tmp.chmod(0o755)
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                if not final.is_dir():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        materialise(final, lambda tmp: download_prefix(store, keys, tmp))
     except StorageError as exc:
         raise ModelError(f"cannot load model {uri!r} from S3: {exc}; use {ACCEPTED_FORMS}") from exc
     if not (final / "config.json").is_file() and read_pipeline_file(final) is None:

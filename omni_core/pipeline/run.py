@@ -250,6 +250,13 @@ class PipelineRun:
             stage = self.config.stage(name)
             self.outcomes[name] = StageOutcome(name, stage.kind, "failed", 0.0, "", error=_message(error))
 
+    def cancel(self) -> dict[str, str | None]:
+        """On an interruption (Ctrl-C, Prefect's cancel SIGTERM) in the thread that received it: stop what
+        stages run outside this process (verl's Ray Jobs) and wait until it stopped. Returns job -> status."""
+        from omni_core.backends.verl.job import stop_followed
+
+        return stop_followed()
+
     def finish(self, ok: bool) -> dict[str, Any]:
         self.tracker.end_run(self.parent_run_id, ok=ok)
         return self.summary()

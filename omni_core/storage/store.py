@@ -53,6 +53,7 @@ S3_PART_SIZE = 8 * 2**20  # multipart part size (and write buffer); 10,000 parts
 S3_CONNECT_TIMEOUT_S = 2
 S3_READ_TIMEOUT_S = 20
 S3_ATTEMPTS = 3  # s3fs-level attempts; botocore itself does not retry (no retry storms)
+S3_PUT_CONCURRENCY = 10  # parts of one file in flight in put_file (boto3's TransferConfig default)
 CHUNK = 2**20
 _TEMP_NAME = re.compile(r"^\..*\.tmp-[0-9a-f]{32}$")
 _UNREACHABLE = (BotoConnectionError, HTTPClientError, TimeoutError)
@@ -75,6 +76,7 @@ class Store:
         self._bucket: str | None = None
         self._prefix = ""
         self.endpoint: str | None = None
+        self._client: Any = None  # boto3 S3 client for put_file, made on first use
         if scheme == "s3":
             bucket, _, prefix = root[len("s3://") :].partition("/")
             if not bucket:
@@ -213,6 +215,41 @@ class Store:
             yield tmp
             with open(tmp, "rb") as src, self.open_write(key) as dst:
                 shutil.copyfileobj(src, dst, CHUNK)
+
+    def put_file(self, path: str | os.PathLike[str], key: str) -> None:
+        """Upload the local file `path` to `key`; the object appears whole or not at all. On S3 boto3's
+        managed transfer (one PUT, or a multipart upload with S3_PUT_CONCURRENCY parts in flight,
+        aborted on failure; measured faster than s3fs's put_file against the same server:
+        bench/verl_launcher.py); locally a staged copy renamed into place."""
+        key = _clean_key(key, empty_ok=False)
+        if self._bucket is None:
+            with open(path, "rb") as src, self.open_write(key) as dst:
+                shutil.copyfileobj(src, dst, CHUNK)
+            return
+        from boto3.s3.transfer import TransferConfig
+
+        config = TransferConfig(multipart_threshold=S3_PART_SIZE, multipart_chunksize=S3_PART_SIZE,
+                                max_concurrency=S3_PUT_CONCURRENCY)
+        with self._errors(key):
+            try:
+                self._boto3().upload_file(os.fspath(path), self._bucket, self._path(key).split("/", 1)[1],
+                                          Config=config)
+            except Exception as exc:  # boto3 wraps the client's error: translate the cause
+                raise (exc.__context__ if isinstance(exc.__context__, Exception) else exc) from None
+
+    def _boto3(self) -> Any:
+        """A boto3 S3 client with the settings of the s3fs filesystem (endpoint, region, timeouts)."""
+        if self._client is None:
+            import boto3
+            from botocore.config import Config
+
+            endpoint = os.environ.get(ENDPOINT_ENV) or os.environ.get("AWS_ENDPOINT_URL") or None
+            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
+            self._client = boto3.session.Session().client(
+                "s3", endpoint_url=endpoint, region_name=region,
+                config=Config(connect_timeout=S3_CONNECT_TIMEOUT_S, read_timeout=S3_READ_TIMEOUT_S,
+                              retries={"total_max_attempts": S3_ATTEMPTS, "mode": "standard"}))
+        return self._client
 
     def write_bytes(self, key: str, data: bytes) -> None:
         with self.open_write(key) as f:

@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from omni_core.data.ingest import MANIFEST, load_version
 from omni_core.errors import DataError, ModelError
 from omni_core.storage import Store
+from omni_core.storage.local_copy import download_prefix, materialise
 
 EXPORT_VERSION = "1"  # bump when the exported bytes change for the same inputs
 Layout = Literal["rl", "sft"]
@@ -180,7 +181,7 @@ def stage_model(uri: str, shared_dir: str | Path, *, seed: int = 0) -> str:
         digest = hashlib.sha256(json.dumps([uri, keys, manifest]).encode()).hexdigest()[:16]
         final = root / "s3" / digest
         if not (final / "config.json").is_file():
-            _materialise(final, lambda tmp: _download(store, keys, tmp))
+            materialise(final, lambda tmp: download_prefix(store, keys, tmp))
         return str(final)
     if uri.startswith("tiny://"):
         from omni_core.models.tiny import tiny_model_dir
@@ -188,7 +189,7 @@ def stage_model(uri: str, shared_dir: str | Path, *, seed: int = 0) -> str:
         source = tiny_model_dir(uri.removeprefix("tiny://"), seed=seed)
         final = root / "tiny" / source.name
         if not final.is_dir():
-            _materialise(final, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
+            materialise(final, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
         return str(final)
     local = Path(uri.removeprefix("file://")).expanduser()
     if uri.startswith(("/", "./", "../", "~", "file://")):
@@ -196,26 +197,3 @@ def stage_model(uri: str, shared_dir: str | Path, *, seed: int = 0) -> str:
             raise ModelError(f"model {uri!r}: {local} is not a save_pretrained folder (no config.json)")
         return str(local.resolve())
     return uri  # a hub id: verl's nodes download it
-
-
-def _download(store: Store, keys: list[str], tmp: Path) -> None:
-    for key in keys:
-        target = tmp / key
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with store.open_read(key) as src, open(target, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-
-
-def _materialise(final: Path, fill: Any) -> None:
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        fill(tmp)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

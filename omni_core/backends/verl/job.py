@@ -17,12 +17,21 @@ server (`ray.address`, the dashboard URL), followed until it ends.
 - `follow` polls the job's log: new lines go to a log file (kept as an artifact), verl's
   `step:N - ...` lines become progress ("step N of M"), and `on_poll` (the checkpoint mirror) runs
   between polls and once more at the end.
+- Cancellation stops the job. An interruption that reaches `follow` itself (Ctrl-C while it runs in
+  the main thread: KeyboardInterrupt) stops the job, waits until Ray reports it STOPPED, and
+  re-raises. In a Prefect flow the stage runs in a task thread while the signal lands in the main
+  thread (Prefect's process worker cancels a flow run by SIGTERM to the flow-run process; the flow
+  engine's handler raises `TerminationSignal` there; Ctrl-C of `omni run` is KeyboardInterrupt
+  there): the flow then calls `stop_followed()`, which stops every job this process follows and
+  waits for STOPPED; the task thread's `follow` raises `JobCancelled` (an OmniError, so the stage is
+  not retried and no `-attempt-N` is submitted).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_core.backends.verl.render import VerlCommand
+from omni_core.errors import OmniError
 
 ACTIVE = ("PENDING", "RUNNING", "SUCCEEDED")
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -41,6 +51,15 @@ LOG_SETTLE_READS = 3
 LOG_SETTLE_S = 0.5
 STEP_LINE = re.compile(r"(?<![A-Za-z0-9_])step:(\d+) - ")  # also right after a tqdm bar: "...]step:1 - "
 _ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
+STOP_WAIT_S = 60.0  # Ray SIGTERMs the entrypoint's process group, SIGKILLs it after RAY_JOB_STOP_WAIT_TIME_S (3 s)
+
+_following: dict[str, Any] = {}  # submission id -> client: the jobs this process is following
+_cancelled: set[str] = set()  # ... and those stop_followed stopped
+_lock = threading.Lock()
+
+
+class JobCancelled(OmniError):
+    """The driver was interrupted (Ctrl-C, the flow run cancelled) and stopped its Ray Job: not retried."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +130,14 @@ def follow(client: Any, job_id: str, *, total_steps: int, progress: Callable[[st
     seen, last_step, settled = 0, 0, 0
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed below
+    with _lock:
+        _following[job_id] = client
     try:
         while True:
+            if job_id in _cancelled:
+                with _lock:
+                    _cancelled.discard(job_id)
+                raise JobCancelled(f"Ray Job {job_id} was stopped: the run was interrupted or cancelled")
             status = _status(client, job_id) or "PENDING"
             text = client.get_job_logs(job_id)
             new, seen = text[seen:], len(text)
@@ -139,12 +164,34 @@ def follow(client: Any, job_id: str, *, total_steps: int, progress: Callable[[st
                 progress(f"job {job_id} ran over {timeout_s} s: stopped")
                 return "STOPPED"
             time.sleep(poll_s)
+    except BaseException as exc:
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, Prefect's TerminationSignal, SystemExit
+            stop(client, job_id, wait_s=STOP_WAIT_S)
+        raise
     finally:
+        with _lock:
+            _following.pop(job_id, None)
         if log is not None:
             log.close()
 
 
-def stop(client: Any, job_id: str) -> None:
-    """Stop the job (cancelling the flow run calls this); a job that already ended is left as it is."""
-    if _status(client, job_id) in ("PENDING", "RUNNING"):
+def stop(client: Any, job_id: str, *, wait_s: float = 0.0) -> str | None:
+    """Stop the job; a job that already ended is left as it is. With `wait_s`, wait (up to that long)
+    until Ray reports it ended; returns its last status."""
+    status = _status(client, job_id)
+    if status in ("PENDING", "RUNNING"):
         client.stop_job(job_id)
+    deadline = time.monotonic() + wait_s
+    while status not in (None, *TERMINAL) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        status = _status(client, job_id)
+    return status
+
+
+def stop_followed(wait_s: float = STOP_WAIT_S) -> dict[str, str | None]:
+    """Stop every Ray Job this process is following (from any thread: the one an interruption landed
+    in) and wait until each is STOPPED; their `follow` then raises JobCancelled. Returns id -> status."""
+    with _lock:
+        jobs = dict(_following)
+        _cancelled.update(jobs)
+    return {job_id: stop(client, job_id, wait_s=wait_s) for job_id, client in jobs.items()}

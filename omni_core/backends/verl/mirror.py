@@ -15,7 +15,6 @@ to N: a folder at or below the latest step is complete, one above it is still be
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -92,13 +91,14 @@ def mirror_new(run_dir: str | Path, store: Store, stage_root: str, *, keep: int 
 
 
 def _upload(store: Store, folder: Path, prefix: str, rel: str) -> dict[str, Any]:
+    """One file: the store's parallel multipart upload (Store.put_file: boto3's managed transfer on S3,
+    bench/verl_launcher.py) while its sha256 is computed beside it (a committed verl step does not change)."""
     path = folder / rel
-    digest = hashlib.sha256()  # of the bytes as sent
-    with open(path, "rb") as src, store.open_write(f"{prefix}/{rel}") as dst:
-        while block := src.read(1 << 20):
-            digest.update(block)
-            dst.write(block)
-    return {"path": rel, "sha256": digest.hexdigest(), "bytes": path.stat().st_size}
+    with ThreadPoolExecutor(1) as hasher:
+        digest = hasher.submit(file_digest, path)
+        store.put_file(path, f"{prefix}/{rel}")
+        size, sha256 = digest.result()
+    return {"path": rel, "sha256": sha256, "bytes": size}
 
 
 def prepare_resume(run_dir: str | Path, store: Store, stage_root: str) -> int | None:

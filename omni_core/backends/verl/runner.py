@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +57,21 @@ def run_verl_stage(*, pipeline: str, stage: Any, seed: int, store: Store, datase
                    run_key: str, ray_address: str, tracking_uri: str | None, mlflow_run_id: str | None,
                    tracker: Any = None, progress: Callable[[str], None] = print,
                    on_step: Callable[[int, int], None] = lambda step, total: None, log_dir: str | Path,
-                   poll_s: float = 1.0, timeout_s: float | None = None) -> dict[str, Any]:
+                   poll_s: float = 1.0, timeout_s: float | None = None,
+                   timings: dict[str, float] | None = None) -> dict[str, Any]:
     """Train `stage` with verl (module docstring); returns the final checkpoint's manifest plus
-    `reused`, `submission_id` and `verl_version`."""
+    `reused`, `submission_id` and `verl_version`. `timings`, when given, gets the seconds of each phase
+    (export, model, resume, submit, follow, mirror_during_job, mirror_final, merge, commit; bench/)."""
+    timings = {} if timings is None else timings
+
+    @contextmanager
+    def timed(phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            timings[phase] = timings.get(phase, 0.0) + time.perf_counter() - start
+
     backend = stage.backend
     total = stage.trainer.total_steps
     root = stage_prefix(pipeline, run_key, stage.name)
@@ -66,22 +80,26 @@ def run_verl_stage(*, pipeline: str, stage: Any, seed: int, store: Store, datase
             and stage.checkpoint.resume_mode != "disable":
         progress(f"stage {stage.name}: checkpoint for run key {run_key} already committed; nothing to do")
         return {**done, "reused": True}
-    exported = export.export_dataset(store, dataset, version, backend.shared_dir, layout(stage),  # type: ignore[arg-type]
-                                     response_field=response_field(stage) or "extra_info.answer")
+    with timed("export"):
+        exported = export.export_dataset(store, dataset, version, backend.shared_dir, layout(stage),  # type: ignore[arg-type]
+                                         response_field=response_field(stage) or "extra_info.answer")
     if split not in exported.files:
         raise ConfigError(f"stages.{stage.name}.data: dataset {dataset}@{version} has no split {split!r}")
-    model = export.stage_model(stage.model_uri, backend.shared_dir, seed=seed)
+    with timed("model"):
+        model = export.stage_model(stage.model_uri, backend.shared_dir, seed=seed)
     cmd = command(stage, pipeline=pipeline, run_key=run_key, model=model, train_files=exported.files[split], seed=seed)
     run_dir = Path(cmd.default_local_dir)
     if stage.checkpoint.resume_mode == "auto":
-        resumed = mirror.prepare_resume(run_dir, store, root)
+        with timed("resume"):
+            resumed = mirror.prepare_resume(run_dir, store, root)
         if resumed is not None:
             progress(f"stage {stage.name}: verl resumes from global_step_{resumed}")
-    client = _client(ray_address)
-    env = runtime_env(cmd, tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id)
-    resources = dict(backend.entrypoint_resources) if backend.entrypoint_resources is not None \
-        else entrypoint_resources(cmd, backend.n_gpus_per_node)
-    job = submit(client, cmd, pipeline=pipeline, stage=stage.name, run_key=run_key, env=env, resources=resources)
+    with timed("submit"):
+        client = _client(ray_address)
+        env = runtime_env(cmd, tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id)
+        resources = dict(backend.entrypoint_resources) if backend.entrypoint_resources is not None \
+            else entrypoint_resources(cmd, backend.n_gpus_per_node)
+        job = submit(client, cmd, pipeline=pipeline, stage=stage.name, run_key=run_key, env=env, resources=resources)
     progress(f"stage {stage.name}: Ray Job {job.submission_id} ({'submitted' if job.submitted else job.status}) "
              f"on {ray_address}")
     if tracker is not None and mlflow_run_id:
@@ -99,12 +117,17 @@ def run_verl_stage(*, pipeline: str, stage: Any, seed: int, store: Store, datase
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{job.submission_id}.log"
-    status = follow(client, job.submission_id, total_steps=total, progress=on_progress, poll_s=poll_s,
-                    on_poll=lambda: mirror.mirror_new(run_dir, store, root, keep=keep), log_path=log_path,
-                    timeout_s=timeout_s)
+    def mirror_while_running() -> None:
+        with timed("mirror_during_job"):
+            mirror.mirror_new(run_dir, store, root, keep=keep)
+
+    with timed("follow"):
+        status = follow(client, job.submission_id, total_steps=total, progress=on_progress, poll_s=poll_s,
+                        on_poll=mirror_while_running, log_path=log_path, timeout_s=timeout_s)
     if tracker is not None and mlflow_run_id:
         tracker.client.log_artifact(mlflow_run_id, str(log_path), "verl")
-    mirror.mirror_new(run_dir, store, root, keep=keep)
+    with timed("mirror_final"):
+        mirror.mirror_new(run_dir, store, root, keep=keep)
     if status != "SUCCEEDED":
         tail = log_path.read_text()[-2000:] if log_path.exists() else ""
         raise VerlJobError(f"stage {stage.name}: verl job {job.submission_id} ended {status}; a retry resubmits it "
@@ -113,9 +136,11 @@ def run_verl_stage(*, pipeline: str, stage: Any, seed: int, store: Store, datase
     if step is None or step < total:
         raise VerlJobError(f"stage {stage.name}: verl job {job.submission_id} succeeded but its latest checkpoint is "
                            f"step {step}, not {total} (is trainer.save_freq overridden?)")
-    verl_version = _merge(client, cmd, run_dir / f"global_step_{step}", job.submission_id, env, poll_s, progress)
-    manifest = _commit_merged(store, root, step, run_dir / f"global_step_{step}" / MERGED,
-                              {"submission_id": job.submission_id, "verl_version": verl_version})
+    with timed("merge"):
+        verl_version = _merge(client, cmd, run_dir / f"global_step_{step}", job.submission_id, env, poll_s, progress)
+    with timed("commit"):
+        manifest = _commit_merged(store, root, step, run_dir / f"global_step_{step}" / MERGED,
+                                  {"submission_id": job.submission_id, "verl_version": verl_version})
     if tracker is not None and mlflow_run_id:
         tracker.set_tags(mlflow_run_id, {"omni.verl.version": verl_version})
     return {**manifest, "reused": False, "submission_id": job.submission_id, "verl_version": verl_version}
@@ -127,7 +152,8 @@ def _merge(client: Any, cmd: Any, step_dir: Path, job_id: str, env: dict[str, An
     python = cmd.argv[0]
     merge = [python, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(step_dir),
              "--target_dir", str(step_dir / MERGED)]
-    version = [python, "-c", "import verl; print('omni-verl-version=' + verl.__version__)"]
+    # the installed distribution's version, read without importing verl (an import costs seconds)
+    version = [python, "-c", "from importlib.metadata import version; print('omni-verl-version=' + version('verl'))"]
     entry = f"{shlex.join(version)} && {shlex.join(merge)}"
     merge_id = f"{job_id}-merge-{step_dir.name}"
     status = job_status(client, merge_id)

@@ -15,7 +15,8 @@ A kind is a runner plus what the stage cache and the orchestrator need to know a
 - `verify(ctx, outputs)` whether a recorded result is still in the store (else the stage re-runs).
 - `reuse(ctx, record)` the lineage (MLflow tags, dataset inputs) of a result taken from the cache.
 - `reads(stage)` / `produces(stage)` the dataset keys it reads / writes (to check the graph).
-- `retries` / `retry_delay_s` how orchestrators retry a failed try (never for an OmniError).
+- `retries` / `retry_delay_s` how orchestrators retry a failed try (never for an OmniError);
+  `retry_plan(stage)`, when given, decides them per stage (`StageKind.retry(stage)`).
 - `volatile_config` config keys that do not change the result (e.g. worker counts): not in the key.
 """
 
@@ -64,6 +65,12 @@ class StageKind:
     retries: int = 0
     retry_delay_s: float = 2.0
     volatile_config: frozenset[str] = frozenset()
+    retry_plan: Callable[[Any], tuple[int, list[float]] | None] | None = None
+
+    def retry(self, stage: Any) -> tuple[int, list[float]]:
+        """How many times an orchestrator retries a failed try of `stage`, and the delay before each."""
+        planned = self.retry_plan(stage) if self.retry_plan is not None else None
+        return planned if planned is not None else (self.retries, [self.retry_delay_s] * self.retries)
 
 
 _KINDS: Registry[StageKind] = Registry(

@@ -285,7 +285,18 @@ def run_verl(ctx: Any) -> dict[str, Any]:
     return outputs
 
 
+def verl_retries(stage: Any) -> tuple[int, list[float]] | None:
+    """A verl stage's failed try (a killed trainer, a lost node) is retried `execution.max_failures`
+    times, `execution.retry_backoff_s` apart (doubling): each retry resubmits the Ray Job as
+    `-attempt-N`, which resumes from the last mirrored checkpoint. A native stage restarts its own
+    actors `max_failures` times inside one try (omni_core.training.runner): its kind's retries apply."""
+    if getattr(stage, "backend", "native") == "native":
+        return None
+    execution = stage.execution
+    return execution.max_failures, [execution.retry_backoff_s * 2 ** i for i in range(execution.max_failures)]
+
+
 for _kind in ("rl", "sft"):  # one runner; the algorithm record decides what trains
     register_stage(_kind, version="1", retries=1, retry_delay_s=5.0, inputs=rl_inputs, digest=weights,
                    verify=checkpoint_committed, reuse=log_reused, reads=lambda stage: [data_split(stage)[0]],
-                   volatile_config=frozenset({"num_cpus"}))(run_rl)
+                   volatile_config=frozenset({"num_cpus"}), retry_plan=verl_retries)(run_rl)
