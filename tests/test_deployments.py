@@ -81,7 +81,7 @@ def final_flow_run(server: dict[str, str], run_id: uuid.UUID, timeout: float = R
             run = client.read_flow_run(run_id)
         return run if run.state and run.state.is_final() else None
 
-    return wait_for(final, timeout, f"flow run {run_id} to finish", every=2)
+    return wait_for(final, timeout, f"flow run {run_id} to finish", every=0.5)
 
 
 def tiny_pipeline(folder: Path, name: str) -> Path:
@@ -253,7 +253,8 @@ def test_serve_runs_deployments_from_this_machine(prefect_server: dict[str, str]
     """`omni serve local` replaces the work-pool deployment with a served one and runs what the API asks."""
     from prefect.exceptions import ObjectNotFound
 
-    env = {**os.environ, **prefect_server}
+    # the served runner asks for scheduled runs every second (Prefect's default: 10 s)
+    env = {**os.environ, **prefect_server, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     log = triggered_run["folder"] / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "local"], cwd=ROOT, env=env,
@@ -269,7 +270,7 @@ def test_serve_runs_deployments_from_this_machine(prefect_server: dict[str, str]
                 return None
             return deployment if deployment.work_pool_name is None else None
 
-        deployment = wait_for(served, 120, "omni serve to register pipeline/local")
+        deployment = wait_for(served, 120, "omni serve to register pipeline/local", every=0.5)
         with api_client(prefect_server) as client:
             flow_run = client.create_flow_run_from_deployment(
                 deployment.id, parameters=triggered_run["parameters"])
