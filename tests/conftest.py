@@ -8,7 +8,9 @@ shared by all workers of a run (its entries are built in a temporary folder and 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from module_order import DurationRecorder, sort_items
@@ -35,6 +38,85 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     sort_items(items)
+
+
+# ---- Prefect: one `prefect server` per test process, for the modules that need an API ---------
+
+
+def _stop(proc: subprocess.Popen, timeout: float = 15) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A `prefect server start` (SQLite, 127.0.0.1, a free port, a temporary PREFECT_HOME) for the session
+    (of this test process), shared by the modules that need a Prefect API but not the embedded default:
+    one server start instead of a temporary server per `omni` command (~15 s each on a busy machine).
+    Yields the environment that points a process at it (`prefect_client` points this process at it)."""
+    import httpx
+
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    server_env = {
+        **os.environ, "PREFECT_HOME": str(home / "server-home"),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false",
+        # the scheduler service makes the runs of active schedules (recently changed deployments
+        # within ~5 s; this loop catches any other)
+        "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "true", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
+    }
+    server_env.pop("PREFECT_API_URL", None)
+    log = home / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
+                                 "--port", str(port)], env=server_env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180  # a fresh database is migrated first; slow on a busy machine
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"prefect server exited with {proc.returncode}: {log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"prefect server did not answer on {url} within 180 s: {log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        client_home = home / "client-home"
+        yield {"PREFECT_API_URL": url, "PREFECT_HOME": str(client_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+               "OMNI_CACHE_DIR": str(home / "omni-cache"), "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def prefect_client(prefect_server: dict[str, str]) -> Iterator[Any]:
+    """For one module, this process's Prefect settings pointed at `prefect_server` (flows called in the
+    test process run against it, as `prefect.testing.utilities.prefect_test_harness` does for a
+    temporary server of its own); yields a sync client. The log and event workers are drained at the
+    module's end, so nothing of it is sent to the next module's API."""
+    import prefect.context
+    from prefect import get_client
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server["PREFECT_API_URL"]}), \
+            prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()):
+        try:
+            yield get_client(sync_client=True)
+        finally:
+            with contextlib.suppress(RuntimeError):  # not started
+                APILogWorker.drain_all()
+            EventsWorker.drain_all()
 
 
 # ---- S3: a moto server in a real subprocess ------------------------------------------------------

@@ -12,17 +12,21 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 pytestmark = pytest.mark.slow
+API_URL: list[str] = []  # the session's Prefect server (set by the `workdir` fixture)
 
 
 def omni(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PREFECT_HOME": str(cwd / "prefect"), "OMNI_CACHE_DIR": str(cwd / "cache")}
-    env.pop("PREFECT_API_URL", None)
+    """`omni` in `cwd`; its flows run on the session's Prefect server (conftest.prefect_server: no
+    temporary server per command; `omni run` on the embedded default is test_demo_pipeline's)."""
+    env = {**os.environ, "PREFECT_HOME": str(cwd / "prefect"), "OMNI_CACHE_DIR": str(cwd / "cache"),
+           "PREFECT_API_URL": API_URL[0]}
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def workdir(tmp_path_factory: pytest.TempPathFactory, prefect_server: dict[str, str]) -> Path:
+    API_URL[:] = [prefect_server["PREFECT_API_URL"]]
     return tmp_path_factory.mktemp("ingest-cli")
 
 

@@ -3,7 +3,10 @@ both checkpoints, register, MLflow.
 
 Runs `omni run configs/demo.yaml` in a temporary directory with its own store, MLflow database and
 Prefect home, then checks what a user would look at: Parquet, manifest, MLflow runs, checkpoints, and
-that the policy learnt (the seed is fixed: the same run gives the same scores).
+that the policy learnt (the seed is fixed: the same run gives the same scores). Also what `omni run`
+prints: the run, not its tools' start-up noise (no Ray SIGTERM or token-authentication warning, no
+transformers "Loading weights" bar, no `None` anywhere, no Prefect UI URL when Prefect knows none), in
+both runs' output (tests/test_run_output.py tests `quiet_startup` itself).
 """
 
 from __future__ import annotations
@@ -24,15 +27,18 @@ from omni_core.data.gsm8k import SCHEMA
 from omni_core.storage.digest import file_list_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
+# what `omni run` must not print, and what the test environment may carry that would hide (or change)
+# the defaults under test
+NOISE = ("SIGTERM handler is not set", "Token authentication", "RAY_AUTH_MODE", "Loading weights", "None")
+UNSET = ("PREFECT_API_URL", "PREFECT_UI_URL", "RAY_ADDRESS", "RAY_AUTH_MODE", "HF_HUB_DISABLE_PROGRESS_BARS")
 METRICS = ["critic/score/mean", "actor/pg_loss", "timing_s/step", "actor/grad_norm", "response_length/mean"]
 
 pytestmark = pytest.mark.slow
 
 
 def run_demo(workdir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PREFECT_HOME": str(workdir / "prefect"), "OMNI_CACHE_DIR": str(workdir / "cache"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("PREFECT_API_URL", None)
+    env = {**{k: v for k, v in os.environ.items() if k not in UNSET}, "PREFECT_HOME": str(workdir / "prefect"),
+           "OMNI_CACHE_DIR": str(workdir / "cache"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     result = subprocess.run(
         [sys.executable, "-m", "flows.cli", "run", str(ROOT / "configs" / "demo.yaml"),
          f"store={workdir / 'store'}", f"tracking_uri=sqlite:///{workdir / 'mlflow.db'}", *overrides],
@@ -48,6 +54,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
     first = run_demo(workdir)
     second = run_demo(workdir)
     return {"workdir": workdir, "store": workdir / "store", "first": first.stdout, "second": second.stdout,
+            "output": [first.stdout + first.stderr, second.stdout + second.stderr],
             "client": MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")}
 
 
@@ -60,6 +67,18 @@ def test_summary_names_dataset_checkpoint_and_mlflow(demo: dict) -> None:
                      "lineage      omni lineage models:/digits-grpo-demo/1"):
         assert fragment in out, out[-2000:]
     assert "[sft] step 60/60" in out and "[rl] step 40/40" in out  # per-step progress from the Ray actors
+
+
+def test_omni_run_prints_no_start_up_noise_and_no_none(demo: dict) -> None:
+    for out in demo["output"]:
+        flow_runs = [line for line in out.splitlines() if "prefect flow run " in line]  # the lineage's runs
+        assert flow_runs and not any("/flow-runs/" in line for line in flow_runs)  # no UI URL known: none printed
+        for noise in NOISE:
+            assert noise not in out, f"{noise!r} in the output of omni run:\n{out[-4000:]}"
+    client: MlflowClient = demo["client"]
+    runs = client.search_runs([client.get_experiment_by_name("digits-grpo-demo").experiment_id])
+    assert runs and all("prefect.flow_run_url" not in r.data.tags for r in runs)
+    assert all(r.data.tags.get("prefect.flow_run_id") for r in runs if "mlflow.parentRunId" not in r.data.tags)
 
 
 def _eval_score(store: Path, stage: str) -> float:

@@ -3,8 +3,9 @@ PREFECT_HOME): `omni deploy`; a run triggered from a deployment with changed par
 API call the UI's "Run" button makes, executed by a process worker; the scheduler creating the
 nightly runs; `omni status`; `omni serve`.
 
-The server starts once per session; every `omni` and `prefect` command runs as a subprocess, as a
-user would run it.
+The server is conftest.py's `prefect_server`, started once per session (per test process) and shared
+with the other modules that need "a Prefect API"; every `omni` and `prefect` command runs as a
+subprocess, as a user would run it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
@@ -42,55 +42,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen, timeout: float = 15) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A Prefect server for the session; yields the environment that points a process at it."""
-    home = tmp_path_factory.mktemp("prefect-server")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    server_env = {
-        **os.environ, "PREFECT_HOME": str(home / "server-home"),
-        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false",
-        # the scheduler service makes the runs of active schedules (recently changed deployments
-        # within ~5 s; this loop catches any other)
-        "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "true", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
-    }
-    server_env.pop("PREFECT_API_URL", None)
-    log = home / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                env=server_env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180  # a fresh database is migrated first; slow on a busy machine
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"prefect server exited with {proc.returncode}: {log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"prefect server did not answer on {url} within 180 s: {log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        client_home = home / "client-home"
-        yield {"PREFECT_API_URL": url, "PREFECT_HOME": str(client_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-               "OMNI_CACHE_DIR": str(home / "omni-cache"), "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
-    finally:
-        _stop(proc)
 
 
 @contextmanager
@@ -130,7 +81,7 @@ def final_flow_run(server: dict[str, str], run_id: uuid.UUID, timeout: float = R
             run = client.read_flow_run(run_id)
         return run if run.state and run.state.is_final() else None
 
-    return wait_for(final, timeout, f"flow run {run_id} to finish", every=2)
+    return wait_for(final, timeout, f"flow run {run_id} to finish", every=0.5)
 
 
 def tiny_pipeline(folder: Path, name: str) -> Path:
@@ -302,7 +253,8 @@ def test_serve_runs_deployments_from_this_machine(prefect_server: dict[str, str]
     """`omni serve local` replaces the work-pool deployment with a served one and runs what the API asks."""
     from prefect.exceptions import ObjectNotFound
 
-    env = {**os.environ, **prefect_server}
+    # the served runner asks for scheduled runs every second (Prefect's default: 10 s)
+    env = {**os.environ, **prefect_server, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     log = triggered_run["folder"] / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "local"], cwd=ROOT, env=env,
@@ -318,7 +270,7 @@ def test_serve_runs_deployments_from_this_machine(prefect_server: dict[str, str]
                 return None
             return deployment if deployment.work_pool_name is None else None
 
-        deployment = wait_for(served, 120, "omni serve to register pipeline/local")
+        deployment = wait_for(served, 120, "omni serve to register pipeline/local", every=0.5)
         with api_client(prefect_server) as client:
             flow_run = client.create_flow_run_from_deployment(
                 deployment.id, parameters=triggered_run["parameters"])

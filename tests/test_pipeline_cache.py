@@ -1,4 +1,4 @@
-"""The pipeline flow's stage graph and stage cache, through the Python API on a temporary Prefect server.
+"""The pipeline flow's stage graph and stage cache, through the Python API on a Prefect server.
 
 Pipeline: ingest `gsm8k` and `digits` in parallel, ingest `extra` after `gsm8k`, then 2 GRPO steps on
 `digits` after `digits` and `extra`. Store A: a first run, an unchanged re-run (all cache hits),
@@ -62,17 +62,11 @@ def pipeline_config(workdir: Path, reward: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def prefect_api(pipeline_model_env: Path):
-    """A temporary Prefect server (SQLite) for this module; the model cache and the shared Ray are
+def prefect_api(pipeline_model_env: Path, prefect_client: Any) -> Any:
+    """The flows of this module run against the session's Prefect server (conftest.prefect_server; the
+    runs are told apart by their flow run ids); the model cache and the shared Ray are
     `pipeline_model_env`'s."""
-    from prefect.testing.utilities import prefect_test_harness
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-        with prefect_test_harness(server_startup_timeout=180):
-            from prefect import get_client
-
-            yield get_client(sync_client=True)
+    return prefect_client
 
 
 @pytest.fixture(scope="module")

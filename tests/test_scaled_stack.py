@@ -90,7 +90,10 @@ def stack(moto_server: str, tmp_path_factory: pytest.TempPathFactory, model_cach
             k: v for k, v in cluster.driver_env({}).items()}, "OMNI_CACHE_DIR": str(model_cache),
             "PYTHONUNBUFFERED": "1", "COLUMNS": "200",
             # Prefect's least heartbeat: `omni deploy`'s crash automation then waits 60 s, not 360
-            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
+            # the worker asks for scheduled runs every second (Prefect's default: 10 s), so a run created
+            # through the API starts at once (four runs in this module)
+            "PREFECT_WORKER_QUERY_SECONDS": "1"}
         for var in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "RAY_ADDRESS", "MLFLOW_TRACKING_URI"):
             env.pop(var, None)
         deployed = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "local"],
@@ -141,7 +144,7 @@ def wait_final(stack: dict, flow_run_id: Any, timeout: float = 540) -> Any:
             if run.state is not None and run.state.is_final():
                 return run
             assert time.monotonic() < deadline, f"flow run {run.state}: {stack['worker_log'].read_text()[-4000:]}"
-            time.sleep(2)
+            time.sleep(0.5)
 
 
 def run_deployment(stack: dict, parameters: dict, timeout: float = 540) -> Any:
@@ -249,10 +252,9 @@ def fault_pipeline(stack: dict, store: str, address: str) -> Path:
     return path
 
 
-def train(stack: dict, path: Path, **popen: Any) -> subprocess.Popen:
+def train(stack: dict, path: Path, out: Any = subprocess.PIPE) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "omni_core.training", "run", str(path), "--stage", "rl"],
-                            cwd=ROOT, env=stack["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            **popen)
+                            cwd=ROOT, env=stack["env"], stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
 def test_a_worker_node_lost_during_training_resumes_and_ends_with_the_same_weights(stack: dict) -> None:
@@ -276,6 +278,8 @@ def test_a_worker_node_lost_during_training_resumes_and_ends_with_the_same_weigh
         assert len(versions) == 1
         s3 = Store(store)
         proc = train(stack, fault_pipeline(stack, store, cluster.address))
+        local: subprocess.Popen | None = None
+        local_log = stack["folder"] / "fault-local.log"
         worker_node = cluster.nodes[1]
         try:
             deadline = time.monotonic() + 300
@@ -286,18 +290,23 @@ def test_a_worker_node_lost_during_training_resumes_and_ends_with_the_same_weigh
             assert raylets, "no raylet under the worker node's `ray start`"
             for p in raylets:
                 p.kill()
+            # the uninterrupted run, on a local Ray of its own, runs beside the recovery (mostly waiting:
+            # for the node's death to be noticed, the replacement to start, the actors to come back)
+            with open(local_log, "w") as log:  # a file: nobody reads a pipe while the other run is awaited
+                local = train(stack, fault_pipeline(stack, local_store, "local"), out=log)
             cluster.add_node(num_cpus=2, resources={"omni_worker": 4})  # the replacement
             out, _ = proc.communicate(timeout=420)
+            local.wait(timeout=420)
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            for child in (proc, local):
+                if child is not None and child.poll() is None:
+                    child.kill()
     assert proc.returncode == 0, out[-4000:]
     result = json.loads(out.strip().splitlines()[-1])
     assert result["global_step"] == 6 and result["recoveries"] >= 1, out[-3000:]
     assert "restart" in out.lower() or "recover" in out.lower(), out[-3000:]
-    local = train(stack, fault_pipeline(stack, local_store, "local"))
-    local_out, _ = local.communicate(timeout=420)
-    assert local.returncode == 0, local_out[-4000:]
+    local_out = local_log.read_text()
+    assert local is not None and local.returncode == 0, local_out[-4000:]
     uninterrupted = json.loads(local_out.strip().splitlines()[-1])
     assert uninterrupted["recoveries"] == 0
     assert result["weights_sha256"] == uninterrupted["weights_sha256"]
@@ -353,13 +362,15 @@ def test_the_worker_killed_during_a_run_crashes_it_and_a_rerun_resumes_from_the_
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
         stack["worker"].wait(timeout=30)
+        # the worker started again at once: it takes only Scheduled runs, not the Running one, and is
+        # ready by the time Prefect notices the crash
+        start_worker(stack)
         crashed = wait_final(stack, first.id, timeout=200)  # the automation: 60 s without a heartbeat
         assert crashed.state.is_crashed(), crashed.state
         # read after the crash: by now the driver's actors are gone, no checkpoint commits after this
         committed = max(int(k.split("global_step_")[1].split("/")[0]) for k in s3.list("runs/stack-crash")
                         if k.endswith("/_manifest.json") and "global_step_" in k)
     assert committed < 4, "the training finished before the worker was killed: nothing to resume"
-    start_worker(stack)
     again = run_deployment(stack, parameters)
     assert again.state.is_completed(), f"{again.state}: {stack['worker_log'].read_text()[-4000:]}"
     runs = mlflow_runs(stack, "stack-crash", f"tags.`prefect.flow_run_id` = '{again.id}'")
