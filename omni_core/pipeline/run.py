@@ -164,11 +164,12 @@ class PipelineRun:
         try:
             outcome = self._run(kind, ctx, started)
         except BaseException as exc:
-            self.tracker.end_run(ctx.mlflow_run_id, ok=False)
+            self.tracker.end_run_later(ctx.mlflow_run_id, ok=False)
             self.outcomes[name] = StageOutcome(name, stage.kind, "failed", time.perf_counter() - started,
                                                ctx.mlflow_run_id, error=_message(exc), cache_key=ctx.cache_key)
             raise
-        self.tracker.end_run(ctx.mlflow_run_id, ok=True)
+        # the closing tags and status go in the background on a tracking server; finish() waits for them
+        self.tracker.end_run_later(ctx.mlflow_run_id, ok=True)
         self.outcomes[name] = outcome
         return outcome
 
@@ -208,7 +209,8 @@ class PipelineRun:
         outputs = kind.run(ctx)
         output_digest = cache.digest(kind.digest(outputs))
         reused = bool(outputs.get("reused"))
-        self.tracker.set_tags(ctx.mlflow_run_id, {"omni.cache_hit": str(reused).lower(), "omni.stage_cache": state})
+        self.tracker.set_tags(ctx.mlflow_run_id, {"omni.cache_hit": str(reused).lower(), "omni.stage_cache": state},
+                              later=True)
         seconds = time.perf_counter() - started
         record_uri = ""
         if parts is not None:
@@ -251,6 +253,11 @@ class PipelineRun:
             self.outcomes[name] = StageOutcome(name, stage.kind, "failed", 0.0, "", error=_message(error))
 
     def finish(self, ok: bool) -> dict[str, Any]:
+        try:
+            self.tracker.flush()  # every stage's closing tags and status are in MLflow before the run ends
+        except BaseException:
+            self.tracker.end_run(self.parent_run_id, ok=False)
+            raise
         self.tracker.end_run(self.parent_run_id, ok=ok)
         return self.summary()
 
