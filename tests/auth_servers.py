@@ -110,6 +110,9 @@ class MlflowServer:
     auth_db: str
     s3_env: dict[str, str]
     secret_key: str = "csrf-key-for-tests"
+    # uvicorn processes: MLflow's default is 4; on a 2-core host one answered a pipeline's sequential
+    # requests faster than four (bench/RESULTS.md, "Scaled-out stack vs embedded default")
+    workers: int = 1
     proc: subprocess.Popen | None = None
 
     @property
@@ -133,7 +136,7 @@ class MlflowServer:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth", "--host", "127.0.0.1",
-                 "--port", port, "--workers", "1", "--backend-store-uri", self.backend, "--serve-artifacts",
+                 "--port", port, "--workers", str(self.workers), "--backend-store-uri", self.backend, "--serve-artifacts",
                  "--artifacts-destination", self.artifacts],
                 cwd=self.folder, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         wait_until(lambda: httpx.get(f"{self.url}/health", timeout=2).status_code == 200, self.proc, self.log,
