@@ -197,7 +197,7 @@ class PipelineRun:
         if ctx.inputs is not None:
             parts = self._key_parts(kind, ctx)
             ctx.cache_key = cache.cache_key(parts)
-            self.tracker.set_tags(ctx.mlflow_run_id, {"omni.cache_key": ctx.cache_key})
+            self.tracker.set_tags(ctx.mlflow_run_id, {"omni.cache_key": ctx.cache_key}, later=True)
             if ctx.force:
                 state, note = FORCED, f"forced (--force {name}); cache key {ctx.cache_key}"
             else:
@@ -226,7 +226,7 @@ class PipelineRun:
     def _reuse(self, kind: StageKind, ctx: StageContext, record: cache.StageRecord, started: float) -> StageOutcome:
         name = ctx.stage.name
         self.tracker.set_tags(ctx.mlflow_run_id, {"omni.cache_hit": "true", "omni.stage_cache": HIT,
-                                                  "omni.cached_from_run": record.mlflow_run_id})
+                                                  "omni.cached_from_run": record.mlflow_run_id}, later=True)
         kind.reuse(ctx, record)
         note = f"cache hit {record.cache_key}: result of {record.finished_at} (MLflow run {record.mlflow_run_id})"
         self.progress(f"stage {name}: {note} is already committed; nothing to do")
