@@ -5,7 +5,7 @@ the per-stage overhead of a chain of no-op stages on each.
 
 The stack is the one tests/test_scaled_stack.py starts on 127.0.0.1 (its helpers in tests/): a fresh
 Postgres cluster, `prefect server` on it with basic auth, `mlflow server --app-name basic-auth` on
-it with artifacts on a moto S3 server, and a two-node Ray cluster with token auth. The embedded
+it with artifacts on a moto S3 server with IAM auth, and a two-node Ray cluster with token auth. The embedded
 default: Prefect's in-process API, sqlite MLflow, a local store, a local Ray.
 
 1. Per-stage overhead (as bench/orchestration.py measures it): the `pipeline` flow, in a child
@@ -59,9 +59,14 @@ def overhead_child(folder: Path, stages: int, repeats: int, store: str, tracking
         state = pipeline(pipeline_file=str(chain), overrides=[f"store={store}/chain-{i}",
                                                               f"tracking_uri={tracking_uri}"], return_state=True)
         assert state.is_completed(), state
+        deadline = time.monotonic() + 30
         with get_client(sync_client=True) as client:
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
-                id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+            while True:  # task runs' states arrive as events, handled by the server a moment later
+                runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
+                    id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+                if (len(runs) == stages and all(t.end_time for t in runs)) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
         ends = sorted(t.end_time for t in runs)
         if i:
             gaps += [(b - a).total_seconds() for a, b in zip(ends, ends[1:], strict=False)]
@@ -102,28 +107,17 @@ def checkout(rev: str, folder: Path) -> Path:
 
 
 def start_stack(folder: Path, ray: bool = True) -> tuple[dict[str, str], dict[str, Any], list]:
-    """Moto, Postgres, then Prefect's and MLflow's servers (and the Ray cluster) started side by side."""
-    import boto3
-    from auth_servers import mlflow_server, prefect_server
-    from mlflow_server import s3_environment
+    """Moto (IAM auth on), Postgres, then Prefect's and MLflow's servers (and the Ray cluster) started side by side."""
+    from auth_servers import iam_moto, mlflow_server, prefect_server
     from postgres import start_postgres
     from ray_cluster import start_cluster
 
     stops: list = []
-    moto_port = __import__("auth_servers").free_port()
-    moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(moto_port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    stops.append(moto.kill)
-    endpoint = f"http://127.0.0.1:{moto_port}"
-    s3 = {**s3_environment(endpoint), "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": secrets.token_hex(8)}
+    moto = iam_moto(folder / "s3")  # S3 with IAM auth: only the key it issued is let in
+    stops.append(moto.stop)
+    s3 = moto.client_env()
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
-    for _ in range(60):
-        try:
-            boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="bench",
-                         aws_secret_access_key=s3["AWS_SECRET_ACCESS_KEY"]).create_bucket(Bucket=bucket)
-            break
-        except Exception:
-            time.sleep(0.5)
+    moto.client().create_bucket(Bucket=bucket)
     pg = start_postgres(Path(f"/tmp/pgb{uuid.uuid4().hex[:6]}"))
     stops.append(pg.remove)
     for db in ("prefect", "mlflow", "mlflow_auth"):

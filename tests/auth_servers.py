@@ -1,6 +1,7 @@
 """Real servers with access control on, for tests: `prefect server start` with basic auth
 (PREFECT_SERVER_API_AUTH_STRING) and `mlflow server --app-name basic-auth` (admin user from
-MLFLOW_AUTH_ADMIN_USERNAME / _PASSWORD, its user store beside the backend). Each runs in its own
+MLFLOW_AUTH_ADMIN_USERNAME / _PASSWORD, its user store beside the backend), and moto as an S3 server
+with IAM authentication on (`iam_moto`: only requests signed with the IAM access key it issued pass). Each runs in its own
 process group on 127.0.0.1 and a free port; the database URL is the caller's (SQLite or Postgres).
 `client_env()` of each is what a client (`omni`, `prefect`, a training job) needs: the credentials
 come from the environment, as they do for a user."""
@@ -15,8 +16,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+from mlflow_server import s3_environment
 
 BIN = Path(sys.executable).parent
 
@@ -107,6 +110,9 @@ class MlflowServer:
     auth_db: str
     s3_env: dict[str, str]
     secret_key: str = "csrf-key-for-tests"
+    # uvicorn processes: MLflow's default is 4; on a 2-core host one answered a pipeline's sequential
+    # requests faster than four (bench/RESULTS.md, "Scaled-out stack vs embedded default")
+    workers: int = 1
     proc: subprocess.Popen | None = None
 
     @property
@@ -130,7 +136,7 @@ class MlflowServer:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth", "--host", "127.0.0.1",
-                 "--port", port, "--workers", "1", "--backend-store-uri", self.backend, "--serve-artifacts",
+                 "--port", port, "--workers", str(self.workers), "--backend-store-uri", self.backend, "--serve-artifacts",
                  "--artifacts-destination", self.artifacts],
                 cwd=self.folder, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         wait_until(lambda: httpx.get(f"{self.url}/health", timeout=2).status_code == 200, self.proc, self.log,
@@ -150,3 +156,60 @@ def mlflow_server(folder: Path, backend: str, artifacts: str, auth_db: str, pass
     folder.mkdir(parents=True, exist_ok=True)
     return MlflowServer(f"http://127.0.0.1:{free_port()}", "admin", password, folder, backend, artifacts, auth_db,
                         s3_env).start()
+
+
+@dataclass
+class IamMoto:
+    """moto in server mode checking every request against its IAM users' access keys, as S3 does."""
+    endpoint: str
+    access_key_id: str
+    secret_access_key: str
+    log: Path
+    proc: subprocess.Popen
+
+    def client_env(self) -> dict[str, str]:
+        """What a client of the store needs: the endpoint and the IAM key (the servers' and omni's boto3)."""
+        return {**s3_environment(self.endpoint), "AWS_ACCESS_KEY_ID": self.access_key_id,
+                "AWS_SECRET_ACCESS_KEY": self.secret_access_key}
+
+    def client(self, service: str = "s3", **keys: str) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(service, endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=keys.get("key_id", self.access_key_id),
+                            aws_secret_access_key=keys.get("secret", self.secret_access_key),
+                            config=Config(retries={"max_attempts": 1}))
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+
+# moto lets the first INITIAL_NO_AUTH_ACTION_COUNT AWS requests through unchecked (moto/settings.py,
+# moto/core/authorization.py): here the three IAM calls that create the store's user, its access key
+# and its s3:* policy. Every later request must carry a SigV4 signature of that key: an unsigned one,
+# an unknown key or a wrong secret is refused.
+_BOOTSTRAP_REQUESTS = 3
+_S3_POLICY = '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}'
+
+
+def iam_moto(folder: Path, user: str = "omni-store") -> IamMoto:
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "moto.log"
+    port = free_port()
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(_BOOTSTRAP_REQUESTS)}
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:  # moto's own API is no AWS action: polling it does not use up the unchecked requests
+        wait_until(lambda: httpx.get(f"{endpoint}/moto-api/data.json", timeout=2).status_code == 200, proc, log,
+                   "moto server", timeout=60)
+        bootstrap = IamMoto(endpoint, "bootstrap", "bootstrap", log, proc).client("iam")
+        bootstrap.create_user(UserName=user)
+        key = bootstrap.create_access_key(UserName=user)["AccessKey"]
+        bootstrap.put_user_policy(UserName=user, PolicyName="s3-all", PolicyDocument=_S3_POLICY)
+    except BaseException:
+        stop(proc)
+        raise
+    return IamMoto(endpoint, key["AccessKeyId"], key["SecretAccessKey"], log, proc)

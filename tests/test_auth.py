@@ -1,6 +1,7 @@
 """Access control on the servers of the scaled-out deployment: a Prefect server with basic auth
-(PREFECT_SERVER_API_AUTH_STRING) and an `mlflow server --app-name basic-auth`, both real on
-127.0.0.1. A request without credentials is refused by each; `omni deploy`, `omni run` and
+(PREFECT_SERVER_API_AUTH_STRING), an `mlflow server --app-name basic-auth` and an S3 store checking
+IAM access keys (moto with IAM auth on; MLflow's artifacts go there with the key it issued), all
+real on 127.0.0.1. A request without credentials (or with wrong ones) is refused by each; `omni deploy`, `omni run` and
 `omni lineage` take the credentials from the environment (PREFECT_API_AUTH_STRING,
 MLFLOW_TRACKING_USERNAME / _PASSWORD) and, without them, say what to set. The secrets never reach
 the runs' params or tags. (Ray's token auth: tests/test_ray_cluster.py.)"""
@@ -17,8 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from auth_servers import MlflowServer, PrefectServer, mlflow_server, prefect_server
-from mlflow_server import s3_environment
+from auth_servers import IamMoto, MlflowServer, PrefectServer, iam_moto, mlflow_server, prefect_server
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT_AUTH = f"omni:{secrets.token_urlsafe(16)}"
@@ -28,22 +28,26 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def servers(moto_server: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    import boto3
-
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
     folder = tmp_path_factory.mktemp("auth")
-    boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1", aws_access_key_id="testing",
-                 aws_secret_access_key="testing").create_bucket(Bucket="auth-artifacts")
-    prefect = prefect_server(folder / "prefect", f"sqlite+aiosqlite:///{folder / 'prefect.db'}", PREFECT_AUTH)
+    s3 = iam_moto(folder / "s3")
+    try:
+        s3.client().create_bucket(Bucket="auth-artifacts")
+        prefect = prefect_server(folder / "prefect", f"sqlite+aiosqlite:///{folder / 'prefect.db'}", PREFECT_AUTH)
+    except BaseException:
+        s3.stop()
+        raise
     try:
         mlflow = mlflow_server(folder / "mlflow", f"sqlite:///{folder / 'mlflow.db'}", "s3://auth-artifacts/ml",
-                               f"sqlite:///{folder / 'auth.db'}", MLFLOW_PASSWORD, s3_environment(moto_server))
+                               f"sqlite:///{folder / 'auth.db'}", MLFLOW_PASSWORD, s3.client_env())
     except BaseException:
         prefect.stop()
+        s3.stop()
         raise
-    yield prefect, mlflow, folder
+    yield prefect, mlflow, folder, s3
     mlflow.stop()
     prefect.stop()
+    s3.stop()
 
 
 def omni(*args: str, env: dict[str, str], drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
@@ -70,6 +74,25 @@ def test_mlflow_refuses_a_request_without_credentials(servers: Any) -> None:
     assert httpx.get(search, auth=(mlflow.username, mlflow.password), timeout=60).status_code == 200
 
 
+def test_s3_refuses_an_unsigned_or_wrongly_signed_request(servers: Any) -> None:
+    from botocore.exceptions import ClientError
+
+    s3: IamMoto = servers[3]
+    s3.client().put_object(Bucket="auth-artifacts", Key="probe", Body=b"ok")
+    assert s3.client().get_object(Bucket="auth-artifacts", Key="probe")["Body"].read() == b"ok"
+    # unsigned: moto answers a GET 403 and a PUT or a listing 500 (its check finds no Authorization header)
+    assert httpx.get(f"{s3.endpoint}/auth-artifacts/probe").status_code == 403
+    assert httpx.put(f"{s3.endpoint}/auth-artifacts/unsigned", content=b"x").status_code in (403, 500)
+    assert httpx.get(f"{s3.endpoint}/auth-artifacts").status_code in (403, 500)
+    for keys, code in (({"secret": "wrong"}, "SignatureDoesNotMatch"),
+                       ({"key_id": "testing", "secret": "testing"}, "InvalidAccessKeyId")):
+        with pytest.raises(ClientError) as refused:
+            s3.client(**keys).get_object(Bucket="auth-artifacts", Key="probe")
+        assert refused.value.response["Error"]["Code"] == code
+    keys = [o["Key"] for o in s3.client().list_objects_v2(Bucket="auth-artifacts").get("Contents", [])]
+    assert "unsigned" not in keys and "probe" in keys
+
+
 def test_omni_deploy_takes_the_credentials_from_the_environment(servers: Any) -> None:
     prefect: PrefectServer = servers[0]
     refused = omni("deploy", env=prefect.client_env(), drop=("PREFECT_API_AUTH_STRING",))
@@ -82,7 +105,7 @@ def test_omni_deploy_takes_the_credentials_from_the_environment(servers: Any) ->
 
 
 def test_omni_run_and_lineage_take_the_credentials_from_the_environment(servers: Any, s3_env: str) -> None:
-    prefect, mlflow, folder = servers
+    prefect, mlflow, folder, s3 = servers
     pipeline = folder / "auth-pipeline.yaml"
     pipeline.write_text(yaml.safe_dump({
         "name": "auth-pipeline", "store": str(folder / "store"), "tracking_uri": mlflow.url,
@@ -105,10 +128,12 @@ def test_omni_run_and_lineage_take_the_credentials_from_the_environment(servers:
         for name in mlflow.client_env():
             os.environ.pop(name, None)
     assert any(r.info.status == "FINISHED" for r in runs)
+    # the pipeline's config artifact went through the MLflow server to S3, signed with the server's IAM key
+    assert s3.client().list_objects_v2(Bucket="auth-artifacts", Prefix="ml/").get("KeyCount", 0) > 0
     for r in runs:  # no secret in what the runs record
         recorded = yaml.safe_dump({"params": r.data.params, "tags": r.data.tags})
         assert MLFLOW_PASSWORD not in recorded and PREFECT_AUTH.split(":")[1] not in recorded
-        assert "testing" not in recorded  # the S3 keys
+        assert "testing" not in recorded and s3.secret_access_key not in recorded  # the S3 keys
     pipeline_run = next(r for r in runs if r.info.status == "FINISHED" and "mlflow.parentRunId" not in r.data.tags)
     # with the credentials `omni lineage` reads the run (an ingest-only pipeline has no chain to trace)
     lineage = omni("lineage", pipeline_run.info.run_id, "--pipeline", str(pipeline), env=env)

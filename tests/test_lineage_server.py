@@ -109,6 +109,9 @@ def test_run_tree_and_tags(served: dict[str, Any]) -> None:
         assert sorted(children) == ["eval", "ingest", "register", "rl"]  # one child per stage
         for name, child in children.items():
             assert child.info.run_id == done.outcomes[name].mlflow_run_id and child.info.status == "FINISHED"
+            # the closing tags, sent in the background, are in before the pipeline run ends
+            assert child.data.tags.get("omni.cache_key", "") == done.outcomes[name].cache_key
+            assert child.data.tags["omni.cache_hit"] in ("true", "false") and child.data.tags["omni.stage_cache"]
             for key in ("omni.pipeline", "omni.config_digest", "omni.git_commit", "omni.store"):
                 assert child.data.tags.get(key) == tags[key], (name, key)
             assert (child.data.tags["omni.stage"], child.data.tags["omni.stage_kind"]) == (name, name)

@@ -2,7 +2,8 @@
 a fresh Postgres cluster (Debian's postgresql, a temporary folder, a non-root owner) holding
 Prefect's, MLflow's and MLflow's user store's databases; `prefect server` on it with basic auth and
 a Prefect process worker; `mlflow server --app-name basic-auth` on it with artifacts on S3; moto as
-S3; a two-node Ray cluster with token auth whose nodes lack the driver's S3 variables. Then:
+S3 with IAM auth (only the IAM key it issued is let in); a two-node Ray cluster with token auth
+whose nodes lack the driver's S3 variables. Then:
 `omni deploy`, a run of `pipeline/local` created through the Prefect API (as the UI's Run button
 does) pointing the digits pipeline (ingest -> rl -> eval -> register) at the S3 store, the MLflow
 server and the cluster; it completes, the rl stage's actors ran on the cluster's worker node, the
@@ -36,8 +37,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from auth_servers import mlflow_server, prefect_server, stop
-from mlflow_server import s3_environment
+from auth_servers import iam_moto, mlflow_server, prefect_server, stop
 from pipeline_runs import digits_pipeline
 from postgres import pg_bin, start_postgres
 from ray_cluster import start_cluster
@@ -50,19 +50,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(pg_bin() is None, reason="Deb
 
 
 @pytest.fixture(scope="module")
-def stack(moto_server: str, tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Any:
-    import boto3
-
+def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Any:
     folder = tmp_path_factory.mktemp("stack")
+    moto = iam_moto(folder / "s3")  # S3 checking IAM keys: only the key it issued is let in
     secrets_ = {"prefect": f"omni:{secrets.token_urlsafe(16)}", "mlflow": secrets.token_urlsafe(18),
-                "ray": secrets.token_hex(32), "s3": f"stack-{secrets.token_hex(8)}"}
-    s3 = {**s3_environment(moto_server), "AWS_ACCESS_KEY_ID": "stack-key", "AWS_SECRET_ACCESS_KEY": secrets_["s3"]}
+                "ray": secrets.token_hex(32), "s3": moto.secret_access_key}
+    s3 = moto.client_env()
     bucket = f"stack-{uuid.uuid4().hex[:10]}"
-    client = boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1",
-                          aws_access_key_id="stack-key", aws_secret_access_key=secrets_["s3"])
-    client.create_bucket(Bucket=bucket)
-    started: list[Any] = []
+    started: list[Any] = [moto.stop]
     try:
+        moto.client().create_bucket(Bucket=bucket)
 
         def two_node_cluster() -> Any:
             cluster = start_cluster(head_cpus=1, token=secrets_["ray"])

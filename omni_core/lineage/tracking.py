@@ -11,9 +11,13 @@ Write to MLflow through these methods, not through `client` directly.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -27,6 +31,7 @@ from omni_core.lineage.redact import env_secrets, redact, redact_mapping, redact
 
 TAG_PREFIX = "omni."
 REACHABLE_TIMEOUT_S = 5.0
+_SENDER_LOCK = threading.Lock()
 BATCH = 100  # MLflow's log_batch takes at most 100 params and 1000 tags+params+metrics a request
 
 
@@ -77,8 +82,16 @@ class Tracker:
                                   "choose a writable location") from exc
         if urlparse(self.tracking_uri).scheme in ("http", "https"):
             check_reachable(self.tracking_uri)
+        # MLflow's client prints a "View run" link when a run ends, reading the run again for it: a
+        # request a stage would wait for on a tracking server. The pipeline prints its own UI link.
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self._experiments: dict[str, str] = {}  # name -> id: one lookup per experiment, not one per run
+        # on a tracking server, a stage's closing calls go on one background thread (in order), off
+        # the stage's path; `flush()` waits for them. A local sqlite store is written in place.
+        self.background = urlparse(self.tracking_uri).scheme in ("http", "https")
+        self._sender: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
 
     def experiment_id(self, name: str) -> str:
         if name not in self._experiments:
@@ -106,11 +119,32 @@ class Tracker:
         status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
         self.client.set_terminated(run_id, status=status)
 
-    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
-        """All tags in one request (log_batch), not one request a tag."""
+    def set_tags(self, run_id: str, tags: dict[str, Any], *, later: bool = False) -> None:
+        """All tags in one request (log_batch), not one request a tag. `later`: sent in the background
+        on a tracking server (see `flush`)."""
         items = [RunTag(k, v) for k, v in redact_mapping({k: str(v) for k, v in tags.items()}).items()]
         for i in range(0, len(items), BATCH):
-            self.client.log_batch(run_id, tags=items[i:i + BATCH])
+            self._send(later, self.client.log_batch, run_id, tags=items[i:i + BATCH])
+
+    def end_run_later(self, run_id: str, ok: bool = True) -> None:
+        """`end_run` sent in the background on a tracking server, after the calls queued before it."""
+        self._send(True, self.end_run, run_id, ok)
+
+    def _send(self, later: bool, call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        if not (later and self.background):
+            call(*args, **kwargs)
+            return
+        with _SENDER_LOCK:
+            if self._sender is None:
+                self._sender = ThreadPoolExecutor(1, thread_name_prefix="omni-mlflow")
+            self._pending.append(self._sender.submit(call, *args, **kwargs))
+
+    def flush(self) -> None:
+        """Waits for every call sent in the background; raises the first one's error."""
+        with _SENDER_LOCK:
+            pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
 
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
         """All params in one request (log_batch), not one request a param."""

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import omni_core
-from omni_core.storage import Store
+from omni_core.storage import ObjectNotFoundError, Store
 
 KEY_CHARS = 16  # like dataset versions and run keys
 
@@ -101,10 +101,10 @@ def files_prefix(pipeline: str, stage: str, key: str) -> str:
 
 
 def load_record(store: Store, pipeline: str, stage: str, key: str) -> StageRecord | None:
-    path = record_key(pipeline, stage, key)
-    if not store.exists(path):
+    try:  # one GET, not exists() then a read: on S3 a missing key costs a HEAD and a listing besides
+        return StageRecord.from_json(store.read_json(record_key(pipeline, stage, key)))
+    except ObjectNotFoundError:
         return None
-    return StageRecord.from_json(store.read_json(path))
 
 
 def save_record(store: Store, record: StageRecord) -> str:

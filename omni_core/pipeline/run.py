@@ -164,11 +164,12 @@ class PipelineRun:
         try:
             outcome = self._run(kind, ctx, started)
         except BaseException as exc:
-            self.tracker.end_run(ctx.mlflow_run_id, ok=False)
+            self.tracker.end_run_later(ctx.mlflow_run_id, ok=False)
             self.outcomes[name] = StageOutcome(name, stage.kind, "failed", time.perf_counter() - started,
                                                ctx.mlflow_run_id, error=_message(exc), cache_key=ctx.cache_key)
             raise
-        self.tracker.end_run(ctx.mlflow_run_id, ok=True)
+        # the closing tags and status go in the background on a tracking server; finish() waits for them
+        self.tracker.end_run_later(ctx.mlflow_run_id, ok=True)
         self.outcomes[name] = outcome
         return outcome
 
@@ -196,7 +197,7 @@ class PipelineRun:
         if ctx.inputs is not None:
             parts = self._key_parts(kind, ctx)
             ctx.cache_key = cache.cache_key(parts)
-            self.tracker.set_tags(ctx.mlflow_run_id, {"omni.cache_key": ctx.cache_key})
+            self.tracker.set_tags(ctx.mlflow_run_id, {"omni.cache_key": ctx.cache_key}, later=True)
             if ctx.force:
                 state, note = FORCED, f"forced (--force {name}); cache key {ctx.cache_key}"
             else:
@@ -208,7 +209,8 @@ class PipelineRun:
         outputs = kind.run(ctx)
         output_digest = cache.digest(kind.digest(outputs))
         reused = bool(outputs.get("reused"))
-        self.tracker.set_tags(ctx.mlflow_run_id, {"omni.cache_hit": str(reused).lower(), "omni.stage_cache": state})
+        self.tracker.set_tags(ctx.mlflow_run_id, {"omni.cache_hit": str(reused).lower(), "omni.stage_cache": state},
+                              later=True)
         seconds = time.perf_counter() - started
         record_uri = ""
         if parts is not None:
@@ -224,7 +226,7 @@ class PipelineRun:
     def _reuse(self, kind: StageKind, ctx: StageContext, record: cache.StageRecord, started: float) -> StageOutcome:
         name = ctx.stage.name
         self.tracker.set_tags(ctx.mlflow_run_id, {"omni.cache_hit": "true", "omni.stage_cache": HIT,
-                                                  "omni.cached_from_run": record.mlflow_run_id})
+                                                  "omni.cached_from_run": record.mlflow_run_id}, later=True)
         kind.reuse(ctx, record)
         note = f"cache hit {record.cache_key}: result of {record.finished_at} (MLflow run {record.mlflow_run_id})"
         self.progress(f"stage {name}: {note} is already committed; nothing to do")
@@ -258,6 +260,11 @@ class PipelineRun:
         return stop_followed()
 
     def finish(self, ok: bool) -> dict[str, Any]:
+        try:
+            self.tracker.flush()  # every stage's closing tags and status are in MLflow before the run ends
+        except BaseException:
+            self.tracker.end_run(self.parent_run_id, ok=False)
+            raise
         self.tracker.end_run(self.parent_run_id, ok=ok)
         return self.summary()
 
