@@ -404,3 +404,34 @@ def test_step_progress_is_updated_from_another_thread(prefect_api: Any) -> None:
     found = prefect_api.read_artifacts(artifact_filter=ArtifactFilter(
         flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
     assert [(a.key, float(a.data)) for a in found] == [("progress-test-rl-progress", 50.0)]
+
+
+def test_latest_record_reads_the_newest_by_time_and_breaks_ties_by_finished_at(store: Any) -> None:
+    """`latest_record` (the "changed since" note) takes the newest record from the listing's times and
+    reads only it, or those modified within SAME_TIME_S of it, choosing by finished_at among them."""
+    import os
+
+    from omni_core.pipeline import cache
+
+    assert cache.latest_record(store, "p", "s") is None
+
+    def record(key: str, finished_at: str) -> cache.StageRecord:
+        return cache.StageRecord(pipeline="p", stage="s", kind="noop", cache_key=key, key_inputs={}, outputs={},
+                                 output_digest="", seconds=0.0, mlflow_run_id="", tracking_uri="",
+                                 finished_at=finished_at)
+
+    # written within a second of each other (their times tie on S3): the latest finished_at wins
+    for key, at in [("k1", "2026-01-01T00:00:02+00:00"), ("k3", "2026-01-01T00:00:03+00:00"),
+                    ("k2", "2026-01-01T00:00:01+00:00")]:
+        cache.save_record(store, record(key, at))
+    store.write_json(f"{cache.files_prefix('p', 's', 'k9')}/note.json", {})  # a record's file, not a record
+    assert cache.latest_record(store, "p", "s").cache_key == "k3"
+    assert set(cache.record_times(store, "p", "s")) == {cache.record_key("p", "s", k) for k in ("k1", "k2", "k3")}
+    if store.remote:
+        return
+    # an hour older on disk: not read at all (unreadable here), whatever its finished_at says
+    for key in ("k1", "k3"):
+        path = os.path.join(store.root, cache.record_key("p", "s", key))
+        Path(path).write_text("not json")
+        os.utime(path, (time.time() - 3600, time.time() - 3600))
+    assert cache.latest_record(store, "p", "s").cache_key == "k2"

@@ -98,6 +98,9 @@ def test_list_sorted_recursive_prefix_filtered_no_temp_files(store: Store) -> No
         assert store.list("a") == ["a/1", "a/b/2"]
         assert store.list("a/") == ["a/1", "a/b/2"]
     assert store.list("a") == ["a/1", "a/b/2", "a/in-progress"]
+    modified = store.list_modified("a")  # the same keys, each with its time from the listing itself
+    assert sorted(modified) == ["a/1", "a/b/2", "a/in-progress"]
+    assert all(abs(t - time.time()) < 300 for t in modified.values()), modified
     assert store.list("a/b") == ["a/b/2"]
     assert store.list("c") == ["c"]
     assert store.list("missing") == []

@@ -116,9 +116,28 @@ def save_record(store: Store, record: StageRecord) -> str:
     return store.uri(path)
 
 
-def latest_record(store: Store, pipeline: str, stage: str) -> StageRecord | None:
-    """The most recently finished record of a stage (any key), to say why a key changed."""
+# S3 stamps LastModified in whole seconds, and a record's `finished_at` is the writer's clock: records
+# modified within this many seconds of the newest are all read and ordered by `finished_at`.
+SAME_TIME_S = 2.0
+
+
+def record_times(store: Store, pipeline: str, stage: str) -> dict[str, float]:
+    """A stage's records (any key) with their last-modified times, from one listing of its folder."""
     folder = stage_folder(pipeline, stage)
-    records = [k for k in store.list(folder) if k.endswith(".json") and k.count("/") == folder.count("/") + 1]
-    found = [StageRecord.from_json(store.read_json(k)) for k in records]
-    return max(found, key=lambda r: r.finished_at, default=None)
+    depth = folder.count("/") + 1
+    return {k: t for k, t in store.list_modified(folder).items() if k.endswith(".json") and k.count("/") == depth}
+
+
+def latest_record(store: Store, pipeline: str, stage: str, times: dict[str, float] | None = None) -> StageRecord | None:
+    """The most recently finished record of a stage (any key), to say why a key changed. `times`:
+    `record_times`'s answer if the caller listed already.
+
+    One listing, which carries each record's last-modified time, and a read of the newest record only
+    (of each record modified within `SAME_TIME_S` of it, to pick by `finished_at` where times tie):
+    not a read of every earlier record, which would grow with the stage's history."""
+    times = record_times(store, pipeline, stage) if times is None else times
+    if not times:
+        return None
+    newest = max(times.values())
+    found = [StageRecord.from_json(store.read_json(k)) for k in sorted(times) if times[k] >= newest - SAME_TIME_S]
+    return max(found, key=lambda r: r.finished_at)

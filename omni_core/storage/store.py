@@ -60,6 +60,14 @@ _UNREACHABLE = (BotoConnectionError, HTTPClientError, TimeoutError)
 _NO_CREDENTIALS = (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError)
 
 
+def _modified(info: dict[str, Any]) -> float:
+    """An fsspec listing entry's last-modified time: `mtime` (local, seconds) or `LastModified` (s3fs)."""
+    if "mtime" in info:
+        return float(info["mtime"])
+    stamp = info.get("LastModified")
+    return stamp.timestamp() if hasattr(stamp, "timestamp") else 0.0
+
+
 class ObjectNotFoundError(StorageError, FileNotFoundError):
     """A key that does not exist was read (also a ``FileNotFoundError``)."""
 
@@ -96,6 +104,11 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({self.root!r})"
+
+    @property
+    def remote(self) -> bool:
+        """True on S3 (each request a round trip), False on a local folder."""
+        return self._bucket is not None
 
     # ---- addressing -------------------------------------------------------------------------
 
@@ -134,17 +147,24 @@ class Store:
 
     def list(self, prefix: str = "") -> list[str]:
         """Sorted keys under ``prefix`` (a key or a folder of keys), recursively; no temp files."""
+        return sorted(self.list_modified(prefix))
+
+    def list_modified(self, prefix: str = "") -> dict[str, float]:
+        """The keys of `list` with each one's last-modified time (seconds since the epoch, as the store
+        records it: a local file's mtime, an S3 object's LastModified, whole seconds), from the one
+        listing: no read of each object."""
         prefix = _clean_key(prefix)
         with self._errors(prefix):
-            found = self._fs.find(self._path(prefix))
+            found = self._fs.find(self._path(prefix), detail=True)
         base = self._path("") + "/"
-        keys = (p[len(base) :] for p in found if p.startswith(base) and not p.endswith("/"))
-        return sorted(
-            k
-            for k in keys
-            if (not prefix or k == prefix or k.startswith(prefix + "/"))
-            and not _TEMP_NAME.match(k.rsplit("/", 1)[-1])
-        )
+        modified = {}
+        for path, info in found.items():
+            key = path[len(base) :]
+            if (not path.startswith(base) or path.endswith("/") or _TEMP_NAME.match(key.rsplit("/", 1)[-1])
+                    or (prefix and key != prefix and not key.startswith(prefix + "/"))):
+                continue
+            modified[key] = _modified(info)
+        return modified
 
     def sha256(self, key: str) -> str:
         digest = hashlib.sha256()
