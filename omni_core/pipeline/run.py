@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,10 +40,6 @@ HIT, MISS, FORCED, UNCACHED = "hit", "miss", "forced", "uncached"
 
 def _no_steps(done: int, total: int) -> None:
     return None
-
-
-# lists a stage's earlier records while its own record is read (see PipelineRun._run)
-_BACKGROUND = ThreadPoolExecutor(max_workers=4, thread_name_prefix="omni-cache-listing")
 
 
 @dataclass
@@ -206,14 +201,10 @@ class PipelineRun:
             if ctx.force:
                 state, note = FORCED, f"forced (--force {name}); cache key {ctx.cache_key}"
             else:
-                # on S3 the listing that explains a miss goes alongside the record's GET (a miss needs both;
-                # on a hit it is one listing spent in the background)
-                listing = _BACKGROUND.submit(cache.record_times, self.store, self.config.name,
-                                             name) if self.store.remote else None
                 record = cache.load_record(self.store, self.config.name, name, ctx.cache_key)
                 if record is not None and kind.verify(ctx, record.outputs):
                     return self._reuse(kind, ctx, record, started)
-                state, note = MISS, self._why_miss(name, ctx.cache_key, parts, record, listing)
+                state, note = MISS, self._why_miss(name, ctx.cache_key, parts, record)
         self.progress(f"stage {name}: running ({note})")
         outputs = kind.run(ctx)
         output_digest = cache.digest(kind.digest(outputs))
@@ -245,12 +236,10 @@ class PipelineRun:
                             record_uri=self.store.uri(cache.record_key(self.config.name, name, record.cache_key)),
                             report=record.report)
 
-    def _why_miss(self, name: str, key: str, parts: dict[str, Any], record: cache.StageRecord | None,
-                  listing: Future[dict[str, float]] | None = None) -> str:
+    def _why_miss(self, name: str, key: str, parts: dict[str, Any], record: cache.StageRecord | None) -> str:
         if record is not None:
             return f"cache key {key}: the recorded outputs are gone from the store"
-        previous = cache.latest_record(self.store, self.config.name, name,
-                                       listing.result() if listing is not None else None)
+        previous = cache.latest_record(self.store, self.config.name, name)
         if previous is None:
             return f"cache key {key}: no earlier record of this stage"
         return f"cache key {key}: changed since {previous.cache_key}: {cache.explain_change(previous.key_inputs, parts)}"

@@ -105,11 +105,6 @@ class Store:
     def __repr__(self) -> str:
         return f"Store({self.root!r})"
 
-    @property
-    def remote(self) -> bool:
-        """True on S3 (each request a round trip), False on a local folder."""
-        return self._bucket is not None
-
     # ---- addressing -------------------------------------------------------------------------
 
     def uri(self, key: str) -> str:
