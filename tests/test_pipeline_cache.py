@@ -427,7 +427,7 @@ def test_latest_record_reads_the_newest_by_time_and_breaks_ties_by_finished_at(s
     store.write_json(f"{cache.files_prefix('p', 's', 'k9')}/note.json", {})  # a record's file, not a record
     assert cache.latest_record(store, "p", "s").cache_key == "k3"
     assert set(cache.record_times(store, "p", "s")) == {cache.record_key("p", "s", k) for k in ("k1", "k2", "k3")}
-    if store.remote:
+    if store.uri("").startswith("s3:"):
         return
     # an hour older on disk: not read at all (unreadable here), whatever its finished_at says
     for key in ("k1", "k3"):
