@@ -55,7 +55,10 @@ class VerlCommand:
 
     @property
     def entrypoint(self) -> str:
-        """The shell command line (Ray's JobSubmissionClient takes a string): the version probe, then verl."""
+        """The shell command line (Ray's JobSubmissionClient takes a string): for a verl module, the version
+        probe in the same interpreter first, then verl."""
+        if not self.module.startswith("verl."):
+            return shlex.join(self.argv)
         return f"{shlex.join(version_probe(self.argv[0]))} && {shlex.join(self.argv)}"
 
 
