@@ -5,14 +5,17 @@
     (tiny://lm's weights under an s3:// prefix, verl 0.9.1's sft_trainer through tests/verl_cpu, a real
     `ray start --head`, an S3 store on a moto server). Reported: the fixed part in seconds, its ratio to the job's run time (target < 10%),
     and the breakdown (export, model staging, resume check, submission, Ray's start of the job, the end
-    of the job to the end of following it, the final mirror, verl's model merger as a second Ray Job,
-    committing the merged weights). Mirroring while the job runs overlaps the job and is shown apart.
+    of the job to the end of following it, the final mirror, verl's model merger as a second Ray Job
+    with `backend.hf_model: merge`, committing the Hugging Face weights). Both `hf_model` modes run side
+    by side in one run by default (`save`: verl writes the weights with every checkpoint, no merger job).
+    Mirroring while the job runs overlaps the job and is shown apart.
 (b) checkpoint mirroring throughput to S3 (moto on 127.0.0.1): `mirror.mirror_new` of a checkpoint
     folder shaped like verl's (model / optimizer shards, extra state, data cursor, huggingface/) against
     a plain boto3 upload of the same folder (files in a ThreadPoolExecutor, each `upload_file` with a
     multipart TransferConfig), alternating, several repetitions; the ratio of the medians (target >= 0.9x).
 
     python bench/verl_launcher.py [--quick] [--json] [--only launcher|mirror] [--steps N]
+                                  [--hf-model save|merge|both]
 
 Needs the verl environment (`make setup` builds .venv-verl; or OMNI_VERL_PYTHON). `--quick`: a shorter
 job and a smaller folder (under two minutes on an idle 2-core machine).
@@ -136,16 +139,10 @@ def bench_mirror(model_mb: int, repeats: int) -> dict[str, Any]:
 # ---- (a) the launcher's overhead per stage ------------------------------------------------------------
 
 
-def bench_launcher(steps: int, rows: int) -> dict[str, Any]:
-    from mlflow import MlflowClient
-    from ray.job_submission import JobSubmissionClient
+def bench_launcher(steps: int, rows: int, modes: tuple[str, ...] = ("save", "merge")) -> dict[str, Any]:
+    """One cluster, one store; each `backend.hf_model` mode in `modes` runs the same stage with its own
+    shared_dir (so each stages its inputs afresh) and run key, one after the other."""
     from ray_cluster import start_cluster
-    from test_backend_verl_cpu import CPU_ENV, CPU_OVERRIDES
-    from verl_env import verl_python
-
-    from omni_core.backends.verl.runner import run_verl_stage
-    from omni_core.config import DatasetConfig, validate_pipeline
-    from omni_core.data import ingest
 
     proc, endpoint = _moto()
     _s3_env(endpoint)
@@ -153,62 +150,82 @@ def bench_launcher(steps: int, rows: int) -> dict[str, Any]:
     os.environ.setdefault("OMNI_CACHE_DIR", str(work / "cache"))
     cluster = start_cluster(head_cpus=2)
     try:
-        bucket = f"bench-{uuid.uuid4().hex[:8]}"
-        import boto3
-
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-        store = Store(f"s3://{bucket}/store")
-        # the model as on a cluster: a save_pretrained folder under an s3:// prefix (uploaded untimed)
-        from omni_core.models.tiny import tiny_model_dir
-
-        model_dir = tiny_model_dir("lm", seed=0)
-        model_store = Store(f"s3://{bucket}/models/lm")
-        for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
-            model_store.put_file(path, path.relative_to(model_dir).as_posix())
-        source = f"fixtures://gsm8k?rows={rows}&seed=7"
-        dv = ingest(store, "gsm8k", DatasetConfig(source=source, converter="gsm8k"), progress=lambda _: None)
-        config = validate_pipeline({
-            "name": "bench-verl", "store": store.root, "ray": {"address": cluster.job_server},
-            "datasets": {"gsm8k": {"source": source, "converter": "gsm8k"}},
-            "stages": [{"name": "sft", "kind": "sft", "model": model_store.root, "data": "gsm8k:train",
-                        "trainer": {"total_steps": steps, "batch_size": 4, "lr": 1e-3},
-                        "checkpoint": {"save_freq": max(1, steps // 2)},
-                        "backend": {"name": "verl", "python": verl_python(), "shared_dir": str(work / "shared"),
-                                    "overrides": [*CPU_OVERRIDES, "data.max_length=512", "trainer.total_epochs=1000"],
-                                    "env": CPU_ENV, "entrypoint_resources": {"entrypoint_num_cpus": 1}}}]})
-        tracking = f"sqlite:///{work / 'mlflow.db'}"
-        mlflow = MlflowClient(tracking)
-        run_id = mlflow.create_run(mlflow.create_experiment("bench-verl")).info.run_id
-        timings: dict[str, float] = {}
-        lines: list[str] = []
-        start = time.time()
-        result = run_verl_stage(pipeline="bench-verl", stage=config.stage("sft"), seed=0, store=store,
-                                dataset="gsm8k", version=dv.version, split="train", run_key="bench",
-                                ray_address=cluster.job_server, tracking_uri=tracking, mlflow_run_id=run_id,
-                                progress=lines.append, log_dir=work / "logs", timings=timings)
-        wall = time.time() - start
-        client = JobSubmissionClient(cluster.job_server)
-        info = client.get_job_info(result["submission_id"])
-        job_start, job_end = info.start_time / 1000, info.end_time / 1000
-        job_s = job_end - job_start
-        merge = client.get_job_info(f"{result['submission_id']}-merge-global_step_{steps}")
-        submitted = start + sum(timings.get(k, 0.0) for k in ("export", "model", "resume", "submit"))
-        breakdown = {k: round(timings.get(k, 0.0), 2) for k in
-                     ("export", "model", "resume", "submit", "mirror_final", "merge", "commit")}
-        breakdown["job_start_wait"] = round(job_start - submitted, 2)  # Ray: submitted -> entrypoint started
-        breakdown["job_end_to_followed"] = round(start + timings["export"] + timings["model"] + timings.get("resume", 0)
-                                                 + timings["submit"] + timings["follow"] - job_end, 2)
-        breakdown["merge_job_run"] = round((merge.end_time - merge.start_time) / 1000, 2)
-        overhead = wall - job_s
-        return {"launcher_steps": steps, "launcher_stage_wall_s": round(wall, 1), "launcher_job_run_s": round(job_s, 1),
-                "launcher_overhead_s": round(overhead, 1), "launcher_overhead_ratio": round(overhead / job_s, 3),
-                "launcher_breakdown_s": breakdown,
-                "launcher_mirror_during_job_s": round(timings.get("mirror_during_job", 0.0), 2),
-                "launcher_global_step": result["global_step"]}
+        out: dict[str, Any] = {"launcher_steps": steps, "launcher_modes": list(modes)}
+        for mode in modes:
+            figures = _one_stage(cluster, endpoint, work / mode, steps, rows, mode)
+            out.update({f"launcher_{mode}_{k}": v for k, v in figures.items()})
+        return out
     finally:
         cluster.stop()
         proc.kill()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _one_stage(cluster: Any, endpoint: str, work: Path, steps: int, rows: int, hf_model: str) -> dict[str, Any]:
+    from mlflow import MlflowClient
+    from ray.job_submission import JobSubmissionClient
+    from test_backend_verl_cpu import CPU_ENV, CPU_OVERRIDES
+    from verl_env import verl_python
+
+    from omni_core.backends.verl.runner import run_verl_stage
+    from omni_core.config import DatasetConfig, validate_pipeline
+    from omni_core.data import ingest
+
+    work.mkdir(parents=True)
+    bucket = f"bench-{uuid.uuid4().hex[:8]}"
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    store = Store(f"s3://{bucket}/store")
+    # the model as on a cluster: a save_pretrained folder under an s3:// prefix (uploaded untimed)
+    from omni_core.models.tiny import tiny_model_dir
+
+    model_dir = tiny_model_dir("lm", seed=0)
+    model_store = Store(f"s3://{bucket}/models/lm")
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        model_store.put_file(path, path.relative_to(model_dir).as_posix())
+    source = f"fixtures://gsm8k?rows={rows}&seed=7"
+    dv = ingest(store, "gsm8k", DatasetConfig(source=source, converter="gsm8k"), progress=lambda _: None)
+    config = validate_pipeline({
+        "name": "bench-verl", "store": store.root, "ray": {"address": cluster.job_server},
+        "datasets": {"gsm8k": {"source": source, "converter": "gsm8k"}},
+        "stages": [{"name": "sft", "kind": "sft", "model": model_store.root, "data": "gsm8k:train",
+                    "trainer": {"total_steps": steps, "batch_size": 4, "lr": 1e-3},
+                    "checkpoint": {"save_freq": max(1, steps // 2)},
+                    "backend": {"name": "verl", "python": verl_python(), "shared_dir": str(work / "shared"),
+                                "hf_model": hf_model,
+                                "overrides": [*CPU_OVERRIDES, "data.max_length=512", "trainer.total_epochs=1000"],
+                                "env": CPU_ENV, "entrypoint_resources": {"entrypoint_num_cpus": 1}}}]})
+    tracking = f"sqlite:///{work / 'mlflow.db'}"
+    mlflow = MlflowClient(tracking)
+    run_id = mlflow.create_run(mlflow.create_experiment("bench-verl")).info.run_id
+    timings: dict[str, float] = {}
+    lines: list[str] = []
+    start = time.time()
+    result = run_verl_stage(pipeline="bench-verl", stage=config.stage("sft"), seed=0, store=store,
+                            dataset="gsm8k", version=dv.version, split="train", run_key=f"bench-{hf_model}",
+                            ray_address=cluster.job_server, tracking_uri=tracking, mlflow_run_id=run_id,
+                            progress=lines.append, log_dir=work / "logs", timings=timings)
+    wall = time.time() - start
+    client = JobSubmissionClient(cluster.job_server)
+    info = client.get_job_info(result["submission_id"])
+    job_start, job_end = info.start_time / 1000, info.end_time / 1000
+    job_s = job_end - job_start
+    submitted = start + sum(timings.get(k, 0.0) for k in ("export", "model", "resume", "submit"))
+    breakdown = {k: round(timings.get(k, 0.0), 2) for k in
+                 ("export", "model", "resume", "submit", "mirror_final", "merge", "commit")}
+    breakdown["job_start_wait"] = round(job_start - submitted, 2)  # Ray: submitted -> entrypoint started
+    breakdown["job_end_to_followed"] = round(start + timings["export"] + timings["model"] + timings.get("resume", 0)
+                                             + timings["submit"] + timings["follow"] - job_end, 2)
+    if hf_model == "merge":
+        merge = client.get_job_info(f"{result['submission_id']}-merge-global_step_{steps}")
+        breakdown["merge_job_run"] = round((merge.end_time - merge.start_time) / 1000, 2)
+    overhead = wall - job_s
+    return {"stage_wall_s": round(wall, 1), "job_run_s": round(job_s, 1), "overhead_s": round(overhead, 1),
+            "overhead_ratio": round(overhead / job_s, 3), "breakdown_s": breakdown,
+            "mirror_during_job_s": round(timings.get("mirror_during_job", 0.0), 2),
+            "global_step": result["global_step"], "verl_version": result["verl_version"],
+            "weights_mb": round(next(f["bytes"] for f in result["files"] if f["path"] == "model.safetensors") / MB, 2)}
 
 
 def main() -> None:
@@ -217,6 +234,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object of the figures last")
     parser.add_argument("--only", choices=("launcher", "mirror"), help="run one of the two parts")
     parser.add_argument("--steps", type=int, help="training steps of the verl job (default: ~2 min of work)")
+    parser.add_argument("--hf-model", choices=("save", "merge", "both"), default="both",
+                        help="backend.hf_model of the launcher's stage: verl saves the weights (save), verl's "
+                             "model merger as a second job (merge), or both side by side (default)")
     args = parser.parse_args()
     figures: dict[str, Any] = {"quick": args.quick, "load_avg_1m": round(os.getloadavg()[0], 2),
                                "cpus": os.cpu_count()}
@@ -227,10 +247,13 @@ def main() -> None:
               f"{figures['mirror_repeats']})", flush=True)
     if args.only != "mirror":
         steps = args.steps or (4 if args.quick else 500)
-        figures.update(bench_launcher(steps, rows=64 if args.quick else 256))
-        print(f"launcher  stage {figures['launcher_stage_wall_s']} s  job {figures['launcher_job_run_s']} s  "
-              f"overhead {figures['launcher_overhead_s']} s ({100 * figures['launcher_overhead_ratio']:.1f}%)  "
-              f"breakdown {figures['launcher_breakdown_s']}", flush=True)
+        modes = ("save", "merge") if args.hf_model == "both" else (args.hf_model,)
+        figures.update(bench_launcher(steps, rows=64 if args.quick else 256, modes=modes))
+        for mode in modes:
+            f = {k.removeprefix(f"launcher_{mode}_"): v for k, v in figures.items() if k.startswith(f"launcher_{mode}_")}
+            print(f"launcher hf_model={mode}  stage {f['stage_wall_s']} s  job {f['job_run_s']} s  "
+                  f"overhead {f['overhead_s']} s ({100 * f['overhead_ratio']:.1f}%)  breakdown {f['breakdown_s']}",
+                  flush=True)
     figures["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     if args.json:
         print(json.dumps(figures))

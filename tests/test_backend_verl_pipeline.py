@@ -1,7 +1,7 @@
 """End to end with real verl: ingest GSM8K fixtures to an S3 store (moto) -> `sft` with `backend: verl`
 on tiny://lm (3 steps, verl's SFT trainer on CPU as a Ray Job on a real `ray start --head`) -> `eval`
 -> `register`, with a real MLflow server. Asserts verl's train/loss in our child run, the mirrored
-checkpoints with manifests, the merged Hugging Face weights committed as our checkpoint, and the
+checkpoints with manifests, verl's own Hugging Face weights committed as our checkpoint, and the
 registered version's lineage down to the raw files.
 
 The faults run the `pipeline` flow itself (`omni run` in a subprocess, Prefect's embedded API): the
@@ -98,7 +98,7 @@ def uninterrupted(ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  # noqa: 
     return {"run": run, "lines": lines, "store_uri": store_uri}
 
 
-def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server):  # noqa: F811
+def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs):  # noqa: F811
     run, lines, store_uri = uninterrupted["run"], uninterrupted["lines"], uninterrupted["store_uri"]
     sft = run.outcomes["sft"]
     out = sft.outputs
@@ -123,6 +123,11 @@ def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server):  # noqa
     assert final["source"] == "verl" and final["weights"] == "model.safetensors"
     paths = {f["path"] for f in final["files"]}
     assert {"model.safetensors", "config.json", "model_world_size_1_rank_0.pt"} <= paths
+    # backend.hf_model: save (default): verl wrote the weights with its checkpoint, committed as they are,
+    # and no merger job ran
+    by_path = {f["path"]: f["sha256"] for f in final["files"]}
+    assert by_path["model.safetensors"] == by_path["huggingface/model.safetensors"]
+    assert not [j for j in ray_jobs.list_jobs() if (j.submission_id or "").startswith(tags["omni.verl.submission_id"] + "-merge")]
     assert out["weights_sha256"] == next(f["sha256"] for f in final["files"] if f["path"] == "model.safetensors")
     assert out["checkpoint_uri"] == final["uri"]
 

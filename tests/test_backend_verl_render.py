@@ -56,6 +56,16 @@ def test_sft_command_is_torchrun_with_absolute_run_dir_and_user_overrides_last(t
     assert command.overrides.index("trainer.save_freq=2") < command.overrides.index("trainer.save_freq=7")
     assert command.env == {"VERL_LOGGING_LEVEL": "INFO"}
     assert "'trainer.logger=[console,mlflow]'" in command.entrypoint  # shell-quoted for the Ray Job
+    # the entry point prints verl's version first (the run's tag, without a second job), then trains
+    probe, train = command.entrypoint.split(" && ")
+    assert probe.startswith("/opt/verl/bin/python -c ") and "omni-verl-version=" in probe
+    assert train.startswith("/opt/verl/bin/python -m torch.distributed.run ")
+    # hf_model: save (default) has verl write the Hugging Face weights with every checkpoint; merge does not
+    assert "checkpoint.save_contents=[model,optimizer,extra,hf_model]" in command.overrides
+    merge = render(training("sft"), backend(tmp_path, hf_model="merge"), run_dir)
+    assert "checkpoint.save_contents=[model,optimizer,extra]" in merge.overrides
+    grpo = render(training("grpo"), b, run_dir)
+    assert "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]" in grpo.overrides
 
 
 def test_options_verl_cannot_honour_are_config_errors_naming_the_key(tmp_path):
@@ -85,6 +95,8 @@ def test_backend_options_are_checked(tmp_path):
         VerlBackend(shared_dir=str(tmp_path), overrides=["trainer.total_epochs"])
     with pytest.raises(ValueError, match="extra"):
         VerlBackend(shared_dir=str(tmp_path), gpus=8)
+    with pytest.raises(ValueError, match="hf_model"):
+        VerlBackend(shared_dir=str(tmp_path), hf_model="gather")
 
 
 # ---- verl itself composes and validates what we render ---------------------------------------------
@@ -106,6 +118,7 @@ def composed(tmp_path_factory, model_cache):
                                 ppo_mini_batch_size=4, save_freq=2, max_to_keep=1, resume_mode="disable"),
                        b, b.run_dir("gsm8k-rl", "k2", "rl")),
         "gspo": render(training("gspo", model=model, rollout_n=4, adv_scale="none"), b, b.run_dir("gsm8k-rl", "k3", "rl")),
+        "sft_merge": render(training("sft", model=model), backend(tmp, hf_model="merge"), b.run_dir("p", "k", "m")),
         "user_override": render(training("grpo", model=model), backend(tmp, overrides=["trainer.save_freq=9"]),
                                 b.run_dir("p", "k", "s")),
         "misspelled": render(training("grpo", model=model), backend(tmp, overrides=["trainer.totl_training_steps=3"]),
@@ -127,6 +140,8 @@ def test_sft_on_gsm8k_answers_composes_and_validates(composed):
     assert config["data"]["train_files"] == GSM8K and config["data"]["messages_key"] == "messages"
     assert config["model"]["lora_rank"] == 8 and config["model"]["lora_alpha"] == 16
     assert config["optim"]["lr"] == 1e-5
+    assert config["checkpoint"]["save_contents"] == ["model", "optimizer", "extra", "hf_model"]
+    assert results["sft_merge"]["config"]["checkpoint"]["save_contents"] == ["model", "optimizer", "extra"]
 
 
 def test_grpo_and_gspo_on_gsm8k_compose_and_pass_validate_config(composed):
@@ -142,6 +157,7 @@ def test_grpo_and_gspo_on_gsm8k_compose_and_pass_validate_config(composed):
     assert grpo["actor_rollout_ref"]["rollout"]["response_length"] == 256  # follows data.max_response_length
     assert grpo["trainer"]["max_actor_ckpt_to_keep"] == 1 and grpo["trainer"]["resume_mode"] == "disable"
     assert grpo["trainer"]["use_v1"] is True
+    assert actor["checkpoint"]["save_contents"] == ["model", "optimizer", "extra", "hf_model"]
     g_actor = gspo["actor_rollout_ref"]["actor"]
     assert g_actor["policy_loss"]["loss_mode"] == "gspo"
     assert (g_actor["clip_ratio_low"], g_actor["clip_ratio_high"]) == (3e-4, 4e-4)

@@ -186,14 +186,15 @@ def test_plan_and_dry_run_print_the_ray_jobs_without_running_anything(tmp_path):
     assert sft["stages"]["dataset"]["to"] == export
     assert sft["stages"]["dataset"]["files"] == [f"{export}/train-00000.parquet"]
     assert sft["stages"]["model"]["to"].startswith(f"{shared}/models/tiny/lm-")
-    assert sft["entrypoint"].startswith(f"{verl_python()} -m torch.distributed.run --standalone")
+    probe, train = sft["entrypoint"].split(" && ")  # verl's version into the job's log, then the trainer
+    assert probe.startswith(f"{verl_python()} -c ") and train.startswith(f"{verl_python()} -m torch.distributed.run --standalone")
     assert f"trainer.default_local_dir={shared}/runs/verlp/{run_key}/sft" in sft["overrides"]
     assert "trainer.total_training_steps=2" in sft["overrides"]
     env = sft["runtime_env"]["env_vars"]
     assert env["AWS_SECRET_ACCESS_KEY"] == "<from the driver's $AWS_SECRET_ACCESS_KEY>"
     assert env["MLFLOW_TRACKING_URI"] == data["tracking_uri"]
     # the grpo stage: its model is the sft stage's checkpoint, known only once that stage ran
-    assert rl["entrypoint"].startswith("python3 -m verl.trainer.main_ppo ")
+    assert rl["entrypoint"].split(" && ")[1].startswith("python3 -m verl.trainer.main_ppo ")
     assert rl["overrides"][-1] == "actor_rollout_ref.rollout.gpu_memory_utilization=0.5"
     assert rl["stages"]["model"]["from"] == "<checkpoint of sft>" and rl["run_key"] is None
     assert f"{shared}/datasets/gsm8k/{version}/rl/train-00000.parquet" in rl["stages"]["dataset"]["files"]

@@ -30,6 +30,12 @@ class VerlBackend(BaseModel):
     overrides: list[str] = Field(default_factory=list, description="Hydra overrides appended verbatim, last.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables of the job "
                                 "(never secrets: those are forwarded by name from the driver).")
+    hf_model: Literal["save", "merge"] = Field(
+        "save", description="How the final model becomes a Hugging Face folder. save: verl writes "
+        "global_step_N/huggingface/model.safetensors with every checkpoint (checkpoint.save_contents adds hf_model) "
+        "and the final one is committed as is; merge: only FSDP shards are saved and verl's model merger runs as a "
+        "second Ray Job after the final step (for models too big to write twice at every save; it costs a new "
+        "interpreter importing torch/verl, ~15-25 s here).")
     entrypoint_resources: dict[str, float] | None = Field(
         None, description="Keyword arguments of Ray's submit_job for the entry point (entrypoint_num_cpus, "
                           "entrypoint_num_gpus); default: the node's GPUs for sft (torchrun trains in the entry point).")

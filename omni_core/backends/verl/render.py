@@ -55,8 +55,20 @@ class VerlCommand:
 
     @property
     def entrypoint(self) -> str:
-        """The shell command line (Ray's JobSubmissionClient takes a string)."""
-        return shlex.join(self.argv)
+        """The shell command line (Ray's JobSubmissionClient takes a string): for a verl module, the version
+        probe in the same interpreter first, then verl."""
+        if not self.module.startswith("verl."):
+            return shlex.join(self.argv)
+        return f"{shlex.join(version_probe(self.argv[0]))} && {shlex.join(self.argv)}"
+
+
+VERSION_PREFIX = "omni-verl-version="
+
+
+def version_probe(python: str) -> list[str]:
+    """Prints `omni-verl-version=X` into the job's log: the installed distribution's version, read without
+    importing verl (~0.05 s here; an import costs seconds), so the run is tagged without a second job."""
+    return [python, "-c", f"from importlib.metadata import version; print({VERSION_PREFIX!r} + version('verl'))"]
 
 
 def render(training: VerlTraining, backend: VerlBackend, default_local_dir: str | Path) -> VerlCommand:
@@ -149,10 +161,17 @@ def _sft_overrides(t: VerlTraining, b: VerlBackend, local_dir: Path) -> list[str
         "optim.clip_grad": t.max_grad_norm,
         "trainer.seed": t.seed,
         "trainer.max_ckpt_to_keep": t.max_to_keep,
+        "checkpoint.save_contents": save_contents(b),
         **_common_trainer(t, b, local_dir),
         **_lora(t, "model"),
     }
     return [f"{k}={hydra_value(v)}" for k, v in values.items()]
+
+
+def save_contents(b: VerlBackend) -> list[str]:
+    """verl's checkpoint.save_contents: its default, plus `hf_model` with `backend.hf_model: save` (its FSDP
+    checkpoint manager then writes global_step_N/huggingface/ with the full weights at every save)."""
+    return ["model", "optimizer", "extra", *(["hf_model"] if b.hf_model == "save" else [])]
 
 
 def _ppo_overrides(t: VerlTraining, b: VerlBackend, local_dir: Path) -> list[str]:
@@ -201,6 +220,7 @@ def _ppo_overrides(t: VerlTraining, b: VerlBackend, local_dir: Path) -> list[str
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": t.micro_batch_size_per_gpu,
         "trainer.use_v1": True,  # module docstring: the pin defaults to the legacy trainer
         "trainer.max_actor_ckpt_to_keep": t.max_to_keep,
+        f"{actor}.checkpoint.save_contents": save_contents(b),
         **_common_trainer(t, b, local_dir),
         **_lora(t, "actor_rollout_ref.model"),
     }

@@ -11,13 +11,18 @@ model as our checkpoint.
    logger writes `train/loss` into it), credentials forwarded by name.
 4. `job.follow` turns verl's `step:N` lines into progress and the stage's step count, keeps the log
    (logged as the MLflow artifact `verl/job.log`) and mirrors each committed `global_step_N`.
-5. The result: verl 0.9.1's SFT checkpoint holds FSDP shards (`model_world_size_W_rank_R.pt`) directly
-   in `global_step_N/` and only config and tokenizer in `huggingface/`, so a second Ray Job runs
+5. The result, by `backend.hf_model`. `save` (default): verl's trainer writes the full weights into
+   `global_step_N/huggingface/` at every save (`checkpoint.save_contents` with `hf_model`; its FSDP
+   checkpoint manager gathers them on rank 0), next to config and tokenizer; that folder of the final
+   step is the model. `merge`: verl 0.9.1's checkpoint then holds only FSDP shards
+   (`model_world_size_W_rank_R.pt`) and config/tokenizer in `huggingface/`, so a second Ray Job runs
    `python -m verl.model_merger merge --backend fsdp` (the cluster's verl, on the shared path) into
-   `global_step_N/merged/`. Its files are added at the top of the mirrored checkpoint folder and the
-   manifest is written again (last) with `weights: model.safetensors`: the folder is then a Hugging Face
-   model (what `eval` loads, `omni verify` checks and the registry points at) and still verl's resume
-   point. The training run is tagged with verl's version, the submission id and the rendered command.
+   `global_step_N/merged/` after the final step (a new interpreter importing torch and verl: seconds
+   here, but each save stays shards only). Either folder's files are added at the top of the mirrored
+   checkpoint folder and the manifest is written again (last) with `weights: model.safetensors`: the
+   folder is then a Hugging Face model (what `eval` loads, `omni verify` checks and the registry points
+   at) and still verl's resume point. The training run is tagged with verl's version (printed by the
+   job's entry point before torchrun, `render.version_probe`), the submission id and the rendered command.
 """
 
 from __future__ import annotations
@@ -33,13 +38,15 @@ from typing import Any
 from omni_core.backends.verl import export, mirror
 from omni_core.backends.verl.job import _status as job_status
 from omni_core.backends.verl.job import entrypoint_resources, follow, runtime_env, submit
+from omni_core.backends.verl.render import VERSION_PREFIX, version_probe
 from omni_core.backends.verl.stage import command, layout, response_field
 from omni_core.errors import ConfigError
 from omni_core.storage import Store
 from omni_core.training.checkpoint import MANIFEST, checkpoint_prefix, latest_checkpoint, stage_prefix
 
 MERGED = "merged"
-VERSION_LINE = re.compile(r"^omni-verl-version=(\d\S*)$", re.MULTILINE)
+HF_DIR = "huggingface"  # verl's own Hugging Face save (checkpoint.save_contents with hf_model)
+VERSION_LINE = re.compile(rf"^{VERSION_PREFIX}(\d\S*)$", re.MULTILINE)
 
 
 class VerlJobError(RuntimeError):
@@ -136,10 +143,22 @@ def run_verl_stage(*, pipeline: str, stage: Any, seed: int, store: Store, datase
     if step is None or step < total:
         raise VerlJobError(f"stage {stage.name}: verl job {job.submission_id} succeeded but its latest checkpoint is "
                            f"step {step}, not {total} (is trainer.save_freq overridden?)")
-    with timed("merge"):
-        verl_version = _merge(client, cmd, run_dir / f"global_step_{step}", job.submission_id, env, poll_s, progress)
+    step_dir = run_dir / f"global_step_{step}"
+    found = VERSION_LINE.search(log_path.read_text()) if log_path.exists() else None
+    verl_version = found.group(1) if found else "unknown"
+    if backend.hf_model == "merge":
+        with timed("merge"):
+            merged_version = _merge(client, cmd, step_dir, job.submission_id, env, poll_s, progress)
+        verl_version = verl_version if found else merged_version
+        hf_dir = step_dir / MERGED
+    else:
+        hf_dir = step_dir / HF_DIR
+        if not any(hf_dir.glob("*.safetensors")):
+            raise ConfigError(f"stages.{stage.name}: verl saved no weights in {hf_dir} although backend.hf_model is "
+                              "save (checkpoint.save_contents lacks hf_model: is it overridden in backend.overrides?); "
+                              "remove that override or set backend.hf_model: merge")
     with timed("commit"):
-        manifest = _commit_merged(store, root, step, run_dir / f"global_step_{step}" / MERGED,
+        manifest = _commit_merged(store, root, step, hf_dir,
                                   {"submission_id": job.submission_id, "verl_version": verl_version})
     if tracker is not None and mlflow_run_id:
         tracker.set_tags(mlflow_run_id, {"omni.verl.version": verl_version})
@@ -152,9 +171,7 @@ def _merge(client: Any, cmd: Any, step_dir: Path, job_id: str, env: dict[str, An
     python = cmd.argv[0]
     merge = [python, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(step_dir),
              "--target_dir", str(step_dir / MERGED)]
-    # the installed distribution's version, read without importing verl (an import costs seconds)
-    version = [python, "-c", "from importlib.metadata import version; print('omni-verl-version=' + version('verl'))"]
-    entry = f"{shlex.join(version)} && {shlex.join(merge)}"
+    entry = f"{shlex.join(version_probe(python))} && {shlex.join(merge)}"
     merge_id = f"{job_id}-merge-{step_dir.name}"
     status = job_status(client, merge_id)
     if status in (None, "FAILED", "STOPPED"):
