@@ -110,12 +110,22 @@ def test_where_it_runs_is_not_in_the_run_key_but_what_it_trains_is(tmp_path):
     assert rl_run_key(validate_pipeline(data).stage("rl"), 0, "v1") != key
 
 
+@pytest.fixture
+def no_driver_credentials(monkeypatch):
+    """The driver's credentials unset: what the plan forwards is then exactly what the test sets (other
+    modules on this xdist worker may have left MLflow / S3 / hub credentials in os.environ)."""
+    from omni_core.backends.verl.job import FORWARDED_ENV
+
+    for name in FORWARDED_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, **(env or {})}, cwd=REPO)
 
 
-def test_plan_prints_the_recipes_ray_job(tmp_path):
+def test_plan_prints_the_recipes_ray_job(tmp_path, no_driver_credentials):
     from omni_core.config import DatasetConfig
     from omni_core.data.ingest import ingest
     from omni_core.storage import Store
@@ -230,7 +240,7 @@ def test_the_stage_omni_recipes_show_prints_validates_and_renders(name, tmp_path
         assert "data.train_files=/data/train.parquet" in entry["overrides"]
 
 
-def test_an_imported_script_outside_the_catalog_is_a_stage(tmp_path):
+def test_an_imported_script_outside_the_catalog_is_a_stage(tmp_path, no_driver_credentials):
     from omni_core.backends.verl_omni.importer import import_script
 
     backend = import_script("#!/bin/bash\nexport VERL_USE_EXTERNAL_MODULES=verl_omni\nexport MY_FLAG=1\n"
