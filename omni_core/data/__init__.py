@@ -1,7 +1,7 @@
 """Datasets: raw sources, fixture generators, one converter per dataset, versioned ingestion."""
 
 # Each dataset module registers its converter and fixture generator.
-from omni_core.data import avqa, digits, gsm8k, mmk12, ocr, omni_preference  # noqa: F401
+from omni_core.data import avqa, digits, gsm8k, image_edit, mmk12, ocr, omni_preference, prompts  # noqa: F401
 from omni_core.data.converter import Converter, RowRejected, get_converter, register_converter
 from omni_core.data.fixtures import fixture_names, write_fixture
 from omni_core.data.ingest import DatasetVersion, ingest, load_version
