@@ -36,6 +36,18 @@ def example_paths(shared_dir: str, name: str, stage: str = "rl"):  # -> RecipePa
                        experiment_name=f"PIPELINE-{stage}")
 
 
+def _export_line(name: str) -> str:
+    """How the pipeline gets the recipe its data (omni_core.backends.verl_omni.export)."""
+    from omni_core.backends.verl_omni.export import RECIPE_LAYOUTS, TOKENIZED
+
+    if name not in RECIPE_LAYOUTS:
+        return ("not exported by omni yet: name the files in backend.overrides (data.train_files=..., "
+                "data.val_files=...), prepared with the recipe's data script")
+    layout, converter = RECIPE_LAYOUTS[name]
+    tokens = " (prompt_token_ids from the stage model's tokenizer)" if layout in TOKENIZED else ""
+    return f"exported by omni from a dataset of `converter: {converter}` as verl_omni-{layout}{tokens}"
+
+
 def _command_text(command: Any) -> str:
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in command.env.items())
     lines = [f"{command.python} -m {command.module} \\"] + [f"    {shlex.quote(o)} \\" for o in command.overrides]
@@ -78,6 +90,7 @@ def show_command(
     print(f"# script: verl-project/verl-omni@{VERL_OMNI_COMMIT} {recipe.script}")
     print(f"# published on: {recipe.published}")
     print(f"# data ({recipe.dataset}): {recipe.data_layout}")
+    print(f"#   {_export_line(name)}")
     print("# substituted by the pipeline:")
     for item in command.substituted:
         kind = item.split(": ", 1)[1].split(":", 1)[0]

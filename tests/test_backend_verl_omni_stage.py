@@ -62,7 +62,7 @@ def _error(data: dict) -> str:
     ({"data": "ocr:train"}, "stages.rl.data: recipe 'qwen3-omni-thinker-gspo-mmk12' reads mmk12 data"),
     ({"data": "avqa:train"}, "converter 'avqa'"),
     ({"backend": {"name": "verl_omni", "recipe": "qwen-image-edit-flowgrpo-pickscore-lora", "shared_dir": "/s"},
-      "algorithm": {"name": "flow_grpo"}, "data": "ocr:train"}, "is not exported by omni yet"),
+      "algorithm": {"name": "flow_grpo"}, "data": "ocr:train"}, "reads image_edit data"),
     ({"rollout": {"n": 4}, "backend": {"name": "verl_omni", "recipe": "qwen3-omni-thinker-gspo-mmk12",
                                       "shared_dir": "/s", "rollout_n": 8}}, "stages.rl.rollout.n: 4, but backend.rollout_n"),
     ({"backend": {"name": "verl_omni", "recipe": "no-such", "shared_dir": "/s"}}, "'no-such' is not a VeRL-Omni recipe"),
@@ -238,6 +238,36 @@ def test_the_stage_omni_recipes_show_prints_validates_and_renders(name, tmp_path
     if name not in RECIPE_LAYOUTS:
         assert entry["stages"]["dataset"]["files"] == ["/data/train.parquet", "/data/test.parquet"]
         assert "data.train_files=/data/train.parquet" in entry["overrides"]
+    else:  # the export's files are what the recipe reads
+        layout = RECIPE_LAYOUTS[name][0]
+        assert f"`converter: {recipe.dataset}` as verl_omni-{layout}" in shown.output
+        folder = f"{tmp_path}/nfs/datasets/{recipe.dataset}/<version>/verl_omni-{layout}"
+        assert entry["stages"]["dataset"]["to"] == folder and entry["stages"]["dataset"]["layout"] == layout
+        train = [f for f in entry["stages"]["dataset"]["files"] if f.endswith("train.parquet")]
+        assert train and all(f.startswith(folder) for f in entry["stages"]["dataset"]["files"])
+        assert any(o.startswith("data.train_files=") and train[0] in o for o in entry["overrides"])
+        if layout == "bagel_ocr":  # BAGEL's prompt_token_ids come from the stage model's tokenizer
+            assert entry["stages"]["dataset"]["tokenizer"] == entry["stages"]["model"]["to"]
+            assert f"actor_rollout_ref.model.tokenizer_path={entry['stages']['model']['to']}" in entry["overrides"]
+
+
+def test_a_recipe_whose_data_omni_does_not_export_reads_the_files_the_overrides_name(tmp_path, monkeypatch):
+    """Every catalog recipe's data is exported today; one that is not (a recipe added to the catalog
+    before its export) is refused unless backend.overrides names its files, which the plan then uses."""
+    name = "wan2.2-dancegrpo-t2v-hpsv3"
+    monkeypatch.delitem(RECIPE_LAYOUTS, name)
+    recipe = get_recipe(name)
+    stage = {"name": "rl", "kind": "rl", "data": "hpsv3:train", "algorithm": {"name": "flow_grpo"},
+             "backend": {"name": "verl_omni", "recipe": name, "shared_dir": str(tmp_path / "sh"),
+                         "env": recipe.example["env"]}}
+    data = {"name": "vo", "ray": {"address": "http://127.0.0.1:8265"}, "stages": [stage],
+            "datasets": {"hpsv3": {"source": "fixtures://hpsv3?rows=4", "converter": "hpsv3"}}}
+    assert "is not exported by omni yet" in _error(copy.deepcopy(data))
+    stage["backend"]["overrides"] = ["data.train_files=/data/train.parquet", "data.val_files=/data/test.parquet"]
+    entry = plan(validate_pipeline(data).stages[0], pipeline="vo", seed=0, dataset="hpsv3", converter="hpsv3",
+                 version=None, splits=None, run_key=None, tracking_uri=None, ray_address="http://127.0.0.1:8265")
+    assert entry["stages"]["dataset"]["files"] == ["/data/train.parquet", "/data/test.parquet"]
+    assert "data.train_files=/data/train.parquet" in entry["overrides"]
 
 
 def test_an_imported_script_outside_the_catalog_is_a_stage(tmp_path, no_driver_credentials):

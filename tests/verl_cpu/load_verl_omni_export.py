@@ -29,7 +29,8 @@ def main() -> None:
         item = rl[0]
         out[label] = {"rows": len(rl), "keys": sorted(item), "data_source": item.get("data_source"),
                       "ground_truth": (item.get("reward_model") or {}).get("ground_truth"),
-                      "raw_prompt": item.get("raw_prompt")}
+                      "raw_prompt": item.get("raw_prompt"),
+                      "prompt_token_ids": [int(t) for t in item["prompt_token_ids"]] if "prompt_token_ids" in item else None}
     print(json.dumps(out, default=str))
 
 

@@ -4,10 +4,18 @@ recipe's data_process script's output), on the shared path:
     shared_dir/datasets/{name}/{version}/verl_omni-{layout}/...  + _manifest.json (written last)
 
 Layouts (`RECIPE_LAYOUTS` says which recipe reads which):
-- `inline` (gsm8k, mmk12, OCR in the Qwen-Image form): the store's verl Parquet as one `{split}.parquet`
-  per split; MMK12's images stay inline as bytes (data_process/mmk12.py keeps them so).
+- `inline` (gsm8k, mmk12, OCR in the Qwen-Image form, vid_prompt, hpsv3, pickscore_sfw): the store's verl
+  Parquet as one `{split}.parquet` per split, the converter having written the script's own rows;
+  MMK12's images stay inline as bytes (data_process/mmk12.py keeps them so).
 - `sd3_ocr`: OCR prompts in the SD3 form (data_process/sd3_ocr.py): `prompt` = [user], no
   `negative_prompt`, `extra_info.raw_prompt` = the text prompt.
+- `bagel_ocr`: OCR prompts in BAGEL's form (data_process/bagel_ocr.py): `prompt` = [user: the stripped
+  line], `negative_prompt` = [user: " "], `prompt_token_ids` = `<|im_start|>` + the line's tokens +
+  `<|im_end|>` (no chat template), cut at 256: pre-tokenized with the stage model's tokenizer, whose
+  digest is part of the export's identity.
+- `image_edit` (qwen_image_edit/prepare_data.py): the stored rows, the letterboxed source image inline
+  as PNG bytes (`images: [{bytes}]`, as the script writes it), checked: one image per row and one
+  `<image>` placeholder in the user message.
 - `avqa_media` (data_process/avqa.py): image and audio files written to `media/`, rows holding
   their absolute paths (`images: [{image: PATH}]`, `audios: [PATH]`).
 - `dpo_modality` (omni_preference_dpo_multisource.py): `{image,video,audio}/{train,test}.parquet`,
@@ -34,6 +42,7 @@ import pyarrow.parquet as pq
 from omni_core.backends.verl.export import _digest, _files, _matching, _replace
 from omni_core.backends.verl_omni.catalog import get_recipe
 from omni_core.data.ingest import MANIFEST, load_version
+from omni_core.data.media import MESSAGE
 from omni_core.errors import ConfigError
 from omni_core.storage import Store
 
@@ -41,8 +50,11 @@ EXPORT_VERSION = "1"
 MODALITIES = ("image", "video", "audio")
 MEDIA_FIELD = {"image": "images", "video": "videos", "audio": "audios"}
 # layout -> the converters (our dataset kinds) it can be made from
-LAYOUT_CONVERTERS = {"inline": {"gsm8k", "mmk12", "ocr"}, "sd3_ocr": {"ocr"}, "avqa_media": {"avqa"},
-                     "dpo_modality": {"omni_preference"}}
+LAYOUT_CONVERTERS = {"inline": {"gsm8k", "mmk12", "ocr", "vid_prompt", "hpsv3", "pickscore_sfw"},
+                     "sd3_ocr": {"ocr"}, "bagel_ocr": {"ocr"}, "image_edit": {"image_edit"},
+                     "avqa_media": {"avqa"}, "dpo_modality": {"omni_preference"}}
+TOKENIZED = {"bagel_ocr"}  # layouts pre-tokenized with the model's tokenizer (export_for_recipe's `tokenizer`)
+BAGEL_MAX_PROMPT_LENGTH = 256  # bagel_ocr.py --max_prompt_length default (the recipe's data.max_prompt_length)
 RECIPE_LAYOUTS = {
     "qwen3-omni-thinker-gspo-gsm8k": ("inline", "gsm8k"),
     "qwen3-omni-thinker-gspo-mmk12": ("inline", "mmk12"),
@@ -54,7 +66,18 @@ RECIPE_LAYOUTS = {
     "qwen-image-flowdppo-ocr-lora": ("inline", "ocr"),
     "sd35-medium-flowgrpo-ocr-lora-v1": ("sd3_ocr", "ocr"),
     "sd35-medium-flowgrpo-ocr-lora-v1-separate-async": ("sd3_ocr", "ocr"),
+    "bagel-flowgrpo-ocr-lora": ("bagel_ocr", "ocr"),
+    "ltx2.3-flowgrpo-t2av-lora": ("inline", "vid_prompt"),
+    "qwen-image-edit-flowgrpo-pickscore-lora": ("image_edit", "image_edit"),
+    "sd35-medium-flowgrpo-drm-lora": ("inline", "pickscore_sfw"),
+    "wan2.2-dancegrpo-t2v-hpsv3": ("inline", "hpsv3"),
 }
+BAGEL_SCHEMA = pa.schema([  # bagel_ocr.py's columns, in its order
+    ("data_source", pa.string()), ("prompt", pa.list_(MESSAGE)), ("negative_prompt", pa.list_(MESSAGE)),
+    ("prompt_token_ids", pa.list_(pa.int64())), ("ability", pa.string()),
+    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
+])
 _MAGIC = [(b"\x89PNG", ".png"), (b"\xff\xd8\xff", ".jpg"), (b"RIFF", ".wav"), (b"GIF8", ".gif"),
           (b"fLaC", ".flac"), (b"OggS", ".ogg"), (b"ID3", ".mp3")]
 
@@ -79,19 +102,30 @@ def recipe_layout(recipe: str, converter: str) -> str:
     layout, wanted = RECIPE_LAYOUTS[recipe]
     if converter != wanted:
         raise ConfigError(f"data: recipe {recipe!r} reads {wanted} data ({get_recipe(recipe).data_layout}); the "
-                          f"stage's dataset was ingested with converter {converter!r}")
+                          f"stage's dataset was ingested with converter {converter!r}: ingest the recipe's data "
+                          f"with `converter: {wanted}`")
     return layout
 
 
 def export_for_recipe(store: Store, name: str, version: str | None, shared_dir: str | Path,
-                      recipe: str) -> RecipeExport:
-    """Export `name@version` (None: LATEST) in the layout `recipe` reads; reused when present."""
+                      recipe: str, tokenizer: str | Path | None = None) -> RecipeExport:
+    """Export `name@version` (None: LATEST) in the layout `recipe` reads; reused when present.
+
+    `tokenizer` (a model folder or hub id) is what a pre-tokenized layout (`TOKENIZED`) encodes the
+    prompts with: the stage's model, whose tokenizer the recipe trains with."""
     dv = load_version(store, name, version)
     converter = (dv.manifest.get("converter") or {}).get("name", "")
     layout = recipe_layout(recipe, converter)
     source_digest = hashlib.sha256(store.read_bytes(f"datasets/{name}/{dv.version}/{MANIFEST}")).hexdigest()
     identity = {"dataset": name, "version": dv.version, "layout": f"verl_omni-{layout}",
                 "export_version": EXPORT_VERSION, "source_manifest_sha256": source_digest, "source_uri": dv.uri}
+    tok = None
+    if layout in TOKENIZED:
+        if tokenizer is None:
+            raise ConfigError(f"backend.recipe {recipe!r}: its data ({layout}) is pre-tokenized with the model's "
+                              "tokenizer; pass the stage's model folder as the export's tokenizer")
+        tok = _load_tokenizer(tokenizer)
+        identity.update(tokenizer_sha256=_tokenizer_digest(tok), max_prompt_length=BAGEL_MAX_PROMPT_LENGTH)
     folder = (Path(shared_dir) / "datasets" / name / dv.version / f"verl_omni-{layout}").absolute()
     manifest = _matching(folder, identity)
     reused = manifest is not None
@@ -101,7 +135,7 @@ def export_for_recipe(store: Store, name: str, version: str | None, shared_dir: 
         try:
             tables = {split: pa.concat_tables([_read(store, key) for key in dv.shard_keys(split)])
                       for split in sorted(dv.manifest["splits"])}
-            entries, media = _write(layout, tables, tmp, folder)
+            entries, media = _write(layout, tables, tmp, folder, tok)
             manifest = {**identity, "files": entries, "media": media}
             (tmp / MANIFEST).write_text(json.dumps(manifest, sort_keys=True, indent=2) + "\n")  # last
             tmp.chmod(0o755)
@@ -119,7 +153,8 @@ def _read(store: Store, key: str) -> pa.Table:
         return pq.read_table(f)
 
 
-def _write(layout: str, tables: dict[str, pa.Table], tmp: Path, folder: Path) -> tuple[list[dict], int]:
+def _write(layout: str, tables: dict[str, pa.Table], tmp: Path, folder: Path, tok: Any = None
+           ) -> tuple[list[dict], int]:
     entries: list[dict] = []
     media = _Media(tmp, folder)
     for split, table in tables.items():
@@ -127,6 +162,10 @@ def _write(layout: str, tables: dict[str, pa.Table], tmp: Path, folder: Path) ->
             out = {split: table}
         elif layout == "sd3_ocr":
             out = {split: _sd3(table)}
+        elif layout == "bagel_ocr":
+            out = {split: _bagel(table, tok)}
+        elif layout == "image_edit":
+            out = {split: _image_edit(table, split)}
         elif layout == "avqa_media":
             out = {split: _avqa(table, split, media)}
         else:
@@ -171,6 +210,64 @@ def _sd3(table: pa.Table) -> pa.Table:
                      "reward_model": row["reward_model"],
                      "extra_info": {**(row.get("extra_info") or {}), "raw_prompt": user[0]["content"]}})
     return pa.Table.from_pylist(rows)
+
+
+def _user_message(row: dict, what: str) -> str:
+    user = [m for m in row["prompt"] if m["role"] == "user"]
+    if len(user) != 1:
+        raise ConfigError(f"data: {what} ({row.get('extra_info')}) has {len(user)} user messages; the recipe's "
+                          "form takes one")
+    return user[0]["content"]
+
+
+def _load_tokenizer(source: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(source))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model {source}: no tokenizer loads from it ({exc.__class__.__name__}); BAGEL's data is "
+                          "pre-tokenized with the model's own (Qwen2) tokenizer") from exc
+    for token in ("<|im_start|>", "<|im_end|>"):
+        if token not in tok.get_vocab():
+            raise ConfigError(f"model {source}: its tokenizer has no {token} token; bagel_ocr.py wraps each prompt "
+                              "in <|im_start|> ... <|im_end|> (BAGEL's Qwen2 tokenizer)")
+    return tok
+
+
+def _tokenizer_digest(tok: Any) -> str:
+    """sha256 of the tokenizer's full definition (a fast tokenizer's JSON; else its vocabulary)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _bagel(table: pa.Table, tok: Any) -> pa.Table:
+    """data_process/bagel_ocr.py's rows: the stripped OCR line as the one user message, `prompt_token_ids`
+    = [<|im_start|>] + encode(line, add_special_tokens=False) + [<|im_end|>], cut at 256 tokens."""
+    bos, eos = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    rows = []
+    for row in table.to_pylist():
+        text = _user_message(row, "an OCR row").strip()
+        ids = [bos, *tok.encode(text, add_special_tokens=False), eos][:BAGEL_MAX_PROMPT_LENGTH]
+        rows.append({"data_source": row["data_source"], "prompt": [{"role": "user", "content": text}],
+                     "negative_prompt": [{"role": "user", "content": " "}], "prompt_token_ids": ids,
+                     "ability": row["ability"], "reward_model": row["reward_model"],
+                     "extra_info": {"split": row["extra_info"]["split"], "index": row["extra_info"]["index"]}})
+    return pa.Table.from_pylist(rows, schema=BAGEL_SCHEMA)
+
+
+def _image_edit(table: pa.Table, split: str) -> pa.Table:
+    """The stored rows as they are, once each is checked to be what Qwen-Image-Edit takes: exactly one
+    source image (bytes) and one `<image>` placeholder in the user message (qwen_image_edit/README.md)."""
+    for index, row in enumerate(table.to_pylist()):
+        images = [i for i in (row.get("images") or []) if i and i.get("bytes")]
+        placeholders = _user_message(row, f"an image-edit {split} row").count("<image>")
+        if len(images) != 1 or placeholders != 1:
+            raise ConfigError(f"data: image-edit {split} row {index} has {len(images)} source image(s) and "
+                              f"{placeholders} <image> placeholder(s); Qwen-Image-Edit takes exactly one of each "
+                              "(text+image -> image): ingest the pairs with `converter: image_edit`")
+    return table
 
 
 def _media_list(row: dict, field: str) -> list[bytes]:

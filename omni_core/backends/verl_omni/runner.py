@@ -1,9 +1,10 @@
 """An `rl` stage with `backend: verl_omni`, run: the recipe's command as a Ray Job through the verl
 backend's machinery (omni_core.backends.verl: job.submit / follow, mirror.mirror_new / prepare_resume).
 
-1. The dataset version is exported in the layout the recipe reads (export.export_for_recipe, on the
-   shared path; an imported entry point gets the store's verl Parquet, verl/export.export_dataset) and
-   the model staged (verl/export.stage_model: `s3://` downloaded once, `tiny://` copied, a hub id as is).
+1. The model is staged (verl/export.stage_model: `s3://` downloaded once, `tiny://` copied, a hub id as
+   is) and the dataset version exported in the layout the recipe reads (export.export_for_recipe, on the
+   shared path; BAGEL's prompts pre-tokenized with the staged model's tokenizer; an imported entry point
+   gets the store's verl Parquet, verl/export.export_dataset).
 2. The recipe is rendered with those paths (stage.recipe_command): `trainer.logger=["console","mlflow"]`,
    `trainer.default_local_dir = shared_dir/runs/{pipeline}/{run_key}/{stage}/checkpoints` (absolute).
 3. Before a (re)submission, mirror.prepare_resume puts the latest mirrored checkpoint back on a
@@ -86,10 +87,11 @@ def explain_failure(log: str, python: str) -> str:
 def _inputs(stage: Any, store: Store, dataset: str, version: str, split: str, seed: int) -> tuple[list, list, str]:
     """(train files, val files, model path) staged on the shared path."""
     backend = stage.backend
+    model = export.stage_model(model_for(stage), backend.shared_dir, seed=seed)
     if backend.recipe and backend.recipe not in RECIPE_LAYOUTS and given_files(stage, "data.train_files"):
         train, val = given_files(stage, "data.train_files"), given_files(stage, "data.val_files")  # not exported
-    elif backend.recipe:
-        exported = export_for_recipe(store, dataset, version, backend.shared_dir, backend.recipe)
+    elif backend.recipe:  # BAGEL's prompts are pre-tokenized with the staged model's tokenizer
+        exported = export_for_recipe(store, dataset, version, backend.shared_dir, backend.recipe, tokenizer=model)
         train, val = exported.train_files, exported.val_files
     else:  # an imported entry point: the store's verl Parquet
         shards = export.export_dataset(store, dataset, version, backend.shared_dir, "rl")
@@ -97,7 +99,7 @@ def _inputs(stage: Any, store: Store, dataset: str, version: str, split: str, se
         val = shards.files.get("test") or shards.files.get("validation") or []
     if not train:
         raise ConfigError(f"stages.{stage.name}.data: dataset {dataset}@{version} has no {split} split to train on")
-    return train, val, export.stage_model(model_for(stage), backend.shared_dir, seed=seed)
+    return train, val, model
 
 
 def run_verl_omni_stage(*, pipeline: str, stage: Any, seed: int, store: Store, dataset: str, version: str,

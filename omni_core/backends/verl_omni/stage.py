@@ -22,7 +22,13 @@ from typing import Any
 from omni_core.backends.verl.job import describe_env, runtime_env, submission_id
 from omni_core.backends.verl.stage import planned_model_path
 from omni_core.backends.verl_omni.catalog import Recipe, get_recipe
-from omni_core.backends.verl_omni.export import LAYOUT_CONVERTERS, MODALITIES, RECIPE_LAYOUTS, recipe_layout
+from omni_core.backends.verl_omni.export import (
+    LAYOUT_CONVERTERS,
+    MODALITIES,
+    RECIPE_LAYOUTS,
+    TOKENIZED,
+    recipe_layout,
+)
 from omni_core.backends.verl_omni.options import VerlOmniBackend
 from omni_core.backends.verl_omni.render import RecipeCommand, RecipePaths, render_recipe, render_stage
 from omni_core.errors import ConfigError
@@ -240,6 +246,10 @@ def plan(stage: Any, *, pipeline: str, seed: int, dataset: str, converter: str |
                                               val_files=val))
     env = job_env(command, tracking_uri=tracking_uri, mlflow_run_id="<the stage's MLflow child run>")
     checkpoints = str(backend.run_dir(pipeline, key, stage.name) / CHECKPOINTS)
+    dataset_entry = {"from": f"{dataset}@{version_text}", "to": str(folder),
+                     "files": [f for split in files.values() for f in split], "layout": layout_name}
+    if layout_name in TOKENIZED:  # the prompts are tokenized with the staged model's tokenizer
+        dataset_entry["tokenizer"] = model
     return {
         "backend": "verl_omni",
         "task": f"{backend.recipe or backend.entry_point}",
@@ -250,8 +260,6 @@ def plan(stage: Any, *, pipeline: str, seed: int, dataset: str, converter: str |
         "overrides": command.overrides,
         "substituted": command.substituted,
         "runtime_env": describe_env(env),
-        "stages": {"dataset": {"from": f"{dataset}@{version_text}", "to": str(folder),
-                               "files": [f for split in files.values() for f in split], "layout": layout_name},
-                   "model": {"from": model_uri, "to": model}},
+        "stages": {"dataset": dataset_entry, "model": {"from": model_uri, "to": model}},
         "checkpoints": checkpoints,
     }
