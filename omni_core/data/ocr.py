@@ -1,5 +1,6 @@
 """OCR prompts (flow_grpo dataset/ocr/{train,test}.txt) -> verl RL Parquet for text-to-image FlowGRPO,
-as VeRL-Omni's examples/flowgrpo_trainer/data_process/qwenimage_ocr.py (and sd3_ocr.py).
+as VeRL-Omni's examples/flowgrpo_trainer/data_process/qwenimage_ocr.py (and sd3_ocr.py). bagel_ocr.py
+reads the same files; the VeRL-Omni export makes the SD3 and BAGEL forms from these rows.
 
 Raw: one prompt per line; the text the image must show is the first double-quoted span, and is the
 ground truth (`text.split('"')[1]`). Blank lines are not prompts and are passed over.
