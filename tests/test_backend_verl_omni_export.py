@@ -282,6 +282,8 @@ def test_a_dataset_the_recipe_cannot_take_is_refused(store: Store, tmp_path: Pat
     edit = _source(store, "image_edit")["train"]
     with pytest.raises(ConfigError, match="row 1 has 0 source image.*converter: image_edit"):
         _image_edit(pa.Table.from_pylist([edit[0], {**edit[1], "images": []}]), "train")
+    with pytest.raises(ConfigError, match="row 0 has 2 source image"):
+        _image_edit(pa.Table.from_pylist([{**edit[0], "images": edit[0]["images"] * 2}]), "train")
     no_placeholder = {**edit[0], "prompt": [edit[0]["prompt"][0], {"role": "user", "content": "Make it blue"}]}
     with pytest.raises(ConfigError, match="1 source image.* and 0 <image> placeholder"):
         _image_edit(pa.Table.from_pylist([no_placeholder]), "train")
