@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from omni_core.data.ingest import MANIFEST, load_version
 from omni_core.errors import DataError, ModelError
-from omni_core.storage import Store
+from omni_core.storage import Store, file_digest
 from omni_core.storage.local_copy import download_prefix, materialise
 
 EXPORT_VERSION = "1"  # bump when the exported bytes change for the same inputs
@@ -58,9 +58,9 @@ def export_dataset(store: Store, name: str, version: str | None, shared_dir: str
                 "source_manifest_sha256": source_digest, "source_uri": dv.uri,
                 "options": {"response_field": response_field} if layout == "sft" else {}}
     folder = Path(shared_dir) / "datasets" / name / dv.version / layout
-    existing = _matching(folder, identity)
+    existing = matching_export(folder, identity)
     if existing is not None:
-        return ExportedDataset(folder, _files(folder, existing), existing, True)
+        return ExportedDataset(folder, export_files(folder, existing), existing, True)
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{layout}.tmp-", dir=folder.parent))
@@ -73,19 +73,19 @@ def export_dataset(store: Store, name: str, version: str | None, shared_dir: str
                     _copy(store, key, tmp / rel)
                 else:
                     _write_sft(store, key, tmp / rel, response_field)
-                size, digest = _digest(tmp / rel)
+                size, digest = file_digest(tmp / rel)
                 entries.append({"path": rel, "split": split, "bytes": size, "sha256": digest,
                                 "rows": pq.ParquetFile(tmp / rel).metadata.num_rows})
         manifest = {**identity, "files": entries}
         (tmp / MANIFEST).write_text(json.dumps(manifest, sort_keys=True, indent=2) + "\n")  # last
         tmp.chmod(0o755)
-        _replace(tmp, folder)
+        replace_folder(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return ExportedDataset(folder, _files(folder, manifest), manifest, False)
+    return ExportedDataset(folder, export_files(folder, manifest), manifest, False)
 
 
-def _matching(folder: Path, identity: dict[str, Any]) -> dict[str, Any] | None:
+def matching_export(folder: Path, identity: dict[str, Any]) -> dict[str, Any] | None:
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -99,14 +99,14 @@ def _matching(folder: Path, identity: dict[str, Any]) -> dict[str, Any] | None:
     return manifest
 
 
-def _files(folder: Path, manifest: dict[str, Any]) -> dict[str, list[str]]:
+def export_files(folder: Path, manifest: dict[str, Any]) -> dict[str, list[str]]:
     files: dict[str, list[str]] = {}
     for entry in manifest["files"]:
         files.setdefault(entry["split"], []).append(str(folder / entry["path"]))
     return files
 
 
-def _replace(tmp: Path, folder: Path) -> None:
+def replace_folder(tmp: Path, folder: Path) -> None:
     """Rename `tmp` onto `folder`; an outdated export there is moved aside first and removed."""
     old = None
     if folder.exists():
@@ -155,12 +155,6 @@ def _column(table: pa.Table, dotted: str, key: str) -> list[Any]:
             raise DataError(f"{key}: column {dotted!r} does not exist; name a column or struct field")
         column = column.field(name)
     return column.to_pylist()
-
-
-def _digest(path: Path) -> tuple[int, str]:
-    from omni_core.storage import file_digest
-
-    return file_digest(path)
 
 
 # ---- models ------------------------------------------------------------------------------------

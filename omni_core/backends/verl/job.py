@@ -50,6 +50,10 @@ FORWARDED_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKE
 LOG_SETTLE_READS = 3
 LOG_SETTLE_S = 0.5
 STEP_LINE = re.compile(r"(?<![A-Za-z0-9_])step:(\d+) - ")  # also right after a tqdm bar: "...]step:1 - "
+# Ray's job supervisor writes this header (with the whole command) through a buffered file it closes after
+# starting the entry point, so a job that fails fast can have it land after its own output, last in the log
+RAY_HEADER = re.compile(r"^Running entrypoint for job \S+: .*\n?", re.MULTILINE)
+TAIL_CHARS = 2000
 _ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
 STOP_WAIT_S = 60.0  # Ray SIGTERMs the entrypoint's process group, SIGKILLs it after RAY_JOB_STOP_WAIT_TIME_S (3 s)
 
@@ -93,7 +97,7 @@ def describe_env(env: dict[str, Any], forward: tuple[str, ...] = FORWARDED_ENV) 
     return {**env, "env_vars": env_vars}
 
 
-def _status(client: Any, job_id: str) -> str | None:
+def job_status(client: Any, job_id: str) -> str | None:
     try:
         return str(client.get_job_status(job_id)).rsplit(".", 1)[-1]
     except RuntimeError:  # no such job: the job server answers 404
@@ -112,7 +116,7 @@ def submit(client: Any, command: VerlCommand, *, pipeline: str, stage: str, run_
     attempt = 1
     while True:
         job_id = submission_id(pipeline, stage, run_key, attempt)
-        status = _status(client, job_id)
+        status = job_status(client, job_id)
         if status is None:
             client.submit_job(entrypoint=command.entrypoint, submission_id=job_id, runtime_env=env, **(resources or {}))
             return VerlJob(job_id, True, "PENDING")
@@ -120,6 +124,11 @@ def submit(client: Any, command: VerlCommand, *, pipeline: str, stage: str, run_
             return VerlJob(job_id, False, status)
         attempt += 1  # FAILED or STOPPED
 
+
+
+def log_tail(log: str, chars: int = TAIL_CHARS) -> str:
+    """The end of a job's log for an error message: the job's own last output, without Ray's header line."""
+    return RAY_HEADER.sub("", log)[-chars:]
 
 def follow(client: Any, job_id: str, *, total_steps: int, progress: Callable[[str], None] = print,
            on_poll: Callable[[], Any] | None = None, log_path: str | Path | None = None, poll_s: float = 1.0,
@@ -138,7 +147,7 @@ def follow(client: Any, job_id: str, *, total_steps: int, progress: Callable[[st
                 with _lock:
                     _cancelled.discard(job_id)
                 raise JobCancelled(f"Ray Job {job_id} was stopped: the run was interrupted or cancelled")
-            status = _status(client, job_id) or "PENDING"
+            status = job_status(client, job_id) or "PENDING"
             text = client.get_job_logs(job_id)
             new, seen = text[seen:], len(text)
             if log is not None and new:
@@ -178,13 +187,13 @@ def follow(client: Any, job_id: str, *, total_steps: int, progress: Callable[[st
 def stop(client: Any, job_id: str, *, wait_s: float = 0.0) -> str | None:
     """Stop the job; a job that already ended is left as it is. With `wait_s`, wait (up to that long)
     until Ray reports it ended; returns its last status."""
-    status = _status(client, job_id)
+    status = job_status(client, job_id)
     if status in ("PENDING", "RUNNING"):
         client.stop_job(job_id)
     deadline = time.monotonic() + wait_s
     while status not in (None, *TERMINAL) and time.monotonic() < deadline:
         time.sleep(0.2)
-        status = _status(client, job_id)
+        status = job_status(client, job_id)
     return status
 
 

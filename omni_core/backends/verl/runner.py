@@ -36,8 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from omni_core.backends.verl import export, mirror
-from omni_core.backends.verl.job import _status as job_status
-from omni_core.backends.verl.job import entrypoint_resources, follow, runtime_env, submit
+from omni_core.backends.verl.job import (
+    entrypoint_resources,
+    follow,
+    job_status,
+    log_tail,
+    runtime_env,
+    submit,
+)
 from omni_core.backends.verl.render import VERSION_PREFIX, version_probe
 from omni_core.backends.verl.stage import command, layout, response_field
 from omni_core.errors import ConfigError
@@ -54,7 +60,7 @@ class VerlJobError(RuntimeError):
     OmniError: the orchestrator retries it (a lost node, a killed trainer), resuming from the mirror."""
 
 
-def _client(address: str) -> Any:
+def job_client(address: str) -> Any:
     from ray.job_submission import JobSubmissionClient
 
     return JobSubmissionClient(address)
@@ -102,7 +108,7 @@ def run_verl_stage(*, pipeline: str, stage: Any, seed: int, store: Store, datase
         if resumed is not None:
             progress(f"stage {stage.name}: verl resumes from global_step_{resumed}")
     with timed("submit"):
-        client = _client(ray_address)
+        client = job_client(ray_address)
         env = runtime_env(cmd, tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id)
         resources = dict(backend.entrypoint_resources) if backend.entrypoint_resources is not None \
             else entrypoint_resources(cmd, backend.n_gpus_per_node)
@@ -136,7 +142,7 @@ def run_verl_stage(*, pipeline: str, stage: Any, seed: int, store: Store, datase
     with timed("mirror_final"):
         mirror.mirror_new(run_dir, store, root, keep=keep)
     if status != "SUCCEEDED":
-        tail = log_path.read_text()[-2000:] if log_path.exists() else ""
+        tail = log_tail(log_path.read_text()) if log_path.exists() else ""
         raise VerlJobError(f"stage {stage.name}: verl job {job.submission_id} ended {status}; a retry resubmits it "
                            f"and resumes from the last mirrored checkpoint. Log tail:\n{tail}")
     step = mirror.local_latest(run_dir)
@@ -148,7 +154,7 @@ def run_verl_stage(*, pipeline: str, stage: Any, seed: int, store: Store, datase
     verl_version = found.group(1) if found else "unknown"
     if backend.hf_model == "merge":
         with timed("merge"):
-            merged_version = _merge(client, cmd, step_dir, job.submission_id, env, poll_s, progress)
+            merged_version = merge_checkpoint(client, cmd, step_dir, job.submission_id, env, poll_s, progress)
         verl_version = verl_version if found else merged_version
         hf_dir = step_dir / MERGED
     else:
@@ -158,14 +164,14 @@ def run_verl_stage(*, pipeline: str, stage: Any, seed: int, store: Store, datase
                               "save (checkpoint.save_contents lacks hf_model: is it overridden in backend.overrides?); "
                               "remove that override or set backend.hf_model: merge")
     with timed("commit"):
-        manifest = _commit_merged(store, root, step, hf_dir,
+        manifest = commit_merged(store, root, step, hf_dir,
                                   {"submission_id": job.submission_id, "verl_version": verl_version})
     if tracker is not None and mlflow_run_id:
         tracker.set_tags(mlflow_run_id, {"omni.verl.version": verl_version})
     return {**manifest, "reused": False, "submission_id": job.submission_id, "verl_version": verl_version}
 
 
-def _merge(client: Any, cmd: Any, step_dir: Path, job_id: str, env: dict[str, Any], poll_s: float,
+def merge_checkpoint(client: Any, cmd: Any, step_dir: Path, job_id: str, env: dict[str, Any], poll_s: float,
            progress: Callable[[str], None]) -> str:
     """verl's model merger as a Ray Job: FSDP shards -> step_dir/merged (a Hugging Face folder)."""
     python = cmd.argv[0]
@@ -182,12 +188,12 @@ def _merge(client: Any, cmd: Any, step_dir: Path, job_id: str, env: dict[str, An
     status = follow(client, merge_id, total_steps=0, progress=lambda _: None, poll_s=poll_s)
     logs = client.get_job_logs(merge_id)
     if status != "SUCCEEDED" or not (step_dir / MERGED / "config.json").is_file():
-        raise VerlJobError(f"verl's model merger ({merge_id}) ended {status}: {logs[-2000:]}")
+        raise VerlJobError(f"verl's model merger ({merge_id}) ended {status}: {log_tail(logs)}")
     found = VERSION_LINE.search(logs)
     return found.group(1) if found else "unknown"
 
 
-def _commit_merged(store: Store, root: str, step: int, merged: Path, extra: dict[str, Any]) -> dict[str, Any]:
+def commit_merged(store: Store, root: str, step: int, merged: Path, extra: dict[str, Any]) -> dict[str, Any]:
     """Add the merged Hugging Face files at the top of the mirrored checkpoint and commit its manifest again."""
     prefix = checkpoint_prefix(root, step)
     manifest = store.read_json(f"{prefix}/{MANIFEST}")

@@ -41,12 +41,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from omni_core.backends.verl.export import _digest, _files, _matching, _replace
+from omni_core.backends.verl.export import export_files, matching_export, replace_folder
 from omni_core.backends.verl_omni.catalog import get_recipe
 from omni_core.data.ingest import MANIFEST, load_version
 from omni_core.data.media import MESSAGE
 from omni_core.errors import ConfigError
-from omni_core.storage import Store
+from omni_core.storage import Store, file_digest
 
 EXPORT_VERSION = "1"
 MODALITIES = ("image", "video", "audio")
@@ -129,7 +129,7 @@ def export_for_recipe(store: Store, name: str, version: str | None, shared_dir: 
         tok = _load_tokenizer(tokenizer)
         identity.update(tokenizer_sha256=_tokenizer_digest(tok), max_prompt_length=BAGEL_MAX_PROMPT_LENGTH)
     folder = (Path(shared_dir) / "datasets" / name / dv.version / f"verl_omni-{layout}").absolute()
-    manifest = _matching(folder, identity)
+    manifest = matching_export(folder, identity)
     reused = manifest is not None
     if manifest is None:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -141,10 +141,10 @@ def export_for_recipe(store: Store, name: str, version: str | None, shared_dir: 
             manifest = {**identity, "files": entries, "media": media}
             (tmp / MANIFEST).write_text(json.dumps(manifest, sort_keys=True, indent=2) + "\n")  # last
             tmp.chmod(0o755)
-            _replace(tmp, folder)
+            replace_folder(tmp, folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    files = _files(folder, manifest)
+    files = export_files(folder, manifest)
     train = files.get("train", [])
     val = files.get("test") or files.get("validation") or []
     return RecipeExport(folder, layout, train, val, manifest, reused)
@@ -176,7 +176,7 @@ def _write(layout: str, tables: dict[str, pa.Table], tmp: Path, folder: Path, to
             path = tmp / f"{rel}.parquet"
             path.parent.mkdir(parents=True, exist_ok=True)
             pq.write_table(written, path)
-            size, digest = _digest(path)
+            size, digest = file_digest(path)
             entries.append({"path": f"{rel}.parquet", "split": split, "bytes": size, "sha256": digest,
                             "rows": written.num_rows})
     entries.extend(media.entries)

@@ -31,9 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from omni_core.backends.verl import export, mirror
-from omni_core.backends.verl.job import _status as job_status
-from omni_core.backends.verl.job import follow, submit
-from omni_core.backends.verl.runner import VerlJobError, _client, _commit_merged, _merge
+from omni_core.backends.verl.job import follow, job_status, log_tail, submit
+from omni_core.backends.verl.runner import VerlJobError, commit_merged, job_client, merge_checkpoint
 from omni_core.backends.verl_omni.export import RECIPE_LAYOUTS, export_for_recipe
 from omni_core.backends.verl_omni.render import split_override
 from omni_core.backends.verl_omni.stage import (
@@ -127,7 +126,7 @@ def run_verl_omni_stage(*, pipeline: str, stage: Any, seed: int, store: Store, d
         resumed = mirror.prepare_resume(ckpt_dir, store, root)
         if resumed is not None:
             progress(f"stage {stage.name}: the recipe resumes from global_step_{resumed}")
-    client = _client(ray_address)
+    client = job_client(ray_address)
     env = job_env(cmd, tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id)
     job = submit(client, cmd, pipeline=pipeline, stage=stage.name, run_key=run_key, env=env,  # type: ignore[arg-type]
                  resources=dict(backend.entrypoint_resources or {}))
@@ -160,7 +159,7 @@ def run_verl_omni_stage(*, pipeline: str, stage: Any, seed: int, store: Store, d
         log = log_path.read_text() if log_path.exists() else ""
         raise VerlJobError(f"stage {stage.name}: VeRL-Omni job {job.submission_id} ended {status}: "
                            f"{explain_failure(log, cmd.python)}. A retry resubmits it and resumes from the last "
-                           f"mirrored checkpoint. Log tail:\n{log[-2000:]}")
+                           f"mirrored checkpoint. Log tail:\n{log_tail(log)}")
     step = mirror.local_latest(ckpt_dir)
     if step is None or (total is not None and step < total):
         raise VerlJobError(f"stage {stage.name}: VeRL-Omni job {job.submission_id} succeeded but its latest checkpoint "
@@ -191,7 +190,7 @@ def _export_lora(client: Any, cmd: Any, actor: Path, model: str, job_id: str, en
     progress(f"exporting the LoRA adapter of {actor.parent.name} (Ray Job {export_id})")
     status, log = _helper_job(client, shlex.join([cmd.python, "-c", code]), export_id, env, poll_s)
     if status != "SUCCEEDED" or not (target / "adapter_model.safetensors").is_file():
-        raise VerlJobError(f"VeRL-Omni's LoRA export ({export_id}) ended {status}: {log[-2000:]}")
+        raise VerlJobError(f"VeRL-Omni's LoRA export ({export_id}) ended {status}: {log_tail(log)}")
     return target
 
 
@@ -214,8 +213,8 @@ def _commit_final(store: Store, root: str, step: int, ckpt_dir: Path, client: An
         manifest = {**manifest, "files": [f for f in manifest["files"] if f["path"] not in set(rels)] + added}
         found = final_weights(manifest["files"])
     if found is None:  # FSDP shards only (a full fine-tune): verl's model merger, as for backend verl
-        _merge(client, cmd, actor, job_id, env, poll_s, progress)
-        return _commit_merged(store, root, step, actor / "merged", extra)
+        merge_checkpoint(client, cmd, actor, job_id, env, poll_s, progress)
+        return commit_merged(store, root, step, actor / "merged", extra)
     weights, model_format = found
     manifest = {**manifest, **extra, "weights": weights, "model_format": model_format}
     store.write_json(f"{prefix}/{MANIFEST}", manifest)  # the commit point, again
