@@ -67,7 +67,9 @@ def list_command(as_json: Annotated[bool, typer.Option("--json", help="One JSON 
         print(json.dumps(rows))
         return
     table = Table(title=f"VeRL-Omni recipes (verl-project/verl-omni@{VERL_OMNI_COMMIT[:8]})")
-    for column in ("name", "model", "algorithm", "modalities", "entry_point", "published"):
+    # the name is what `recipes show` and a stage take: never cut short, however narrow the terminal
+    table.add_column("name", no_wrap=True, min_width=max(len(row["name"]) for row in rows))
+    for column in ("model", "algorithm", "modalities", "entry_point", "published"):
         table.add_column(column)
     for row in rows:
         table.add_row(*(escape(row[c]) for c in ("name", "model", "algorithm", "modalities", "entry_point",
