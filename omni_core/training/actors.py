@@ -57,7 +57,7 @@ class _StageActor:
         set_rng_state(torch_state, python_state)
 
     def step_rows(self, step: int) -> list[dict[str, Any]]:
-        from omni_core.training.components import PromptCursor
+        from omni_core.training.rows import PromptCursor  # light: see omni_core.training.rows
 
         return [self.rows[i] for i in PromptCursor(len(self.rows), self.seed).batch(step, self.stage.trainer.batch_size)]
 
@@ -132,7 +132,7 @@ class RolloutWorker(_StageActor):
 
 
 def score_part(stage: RLStage, rows: list[dict[str, Any]], part: dict[str, Any]) -> dict[str, Any]:
-    from omni_core.training.components import score_rollouts
+    from omni_core.training.rows import score_rollouts
 
     t = time.perf_counter()
     texts = [r["text"] for r in part["results"]]

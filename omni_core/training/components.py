@@ -45,7 +45,6 @@ from torch import Tensor
 
 from omni_core.errors import ModelError
 from omni_core.models import sequence_logprobs
-from omni_core.rewards import score_batch
 from omni_core.rollout.autoregressive import ARengine, ARPrompt
 from omni_core.rollout.engine import RolloutRequest
 from omni_core.rollout.metrics import rollout_consistency
@@ -56,6 +55,7 @@ from omni_core.training.multimodal import (
     media_token_ids,
     tokenizer_of,
 )
+from omni_core.training.rows import PromptCursor, score_rollouts  # noqa: F401  (re-exported)
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
 
@@ -86,21 +86,6 @@ class RolloutBatch:
     def media_inputs(self) -> dict[str, Tensor]:
         """The rows' media collated for one forward (`collate_media`); {} without media."""
         return {} if self.media is None else collate_media(self.media)
-
-
-class PromptCursor:
-    """Deterministic data order: a fresh seeded permutation per epoch; batch k depends only on k."""
-
-    def __init__(self, num_rows: int, seed: int):
-        self.num_rows, self.seed = num_rows, seed
-
-    def batch(self, step: int, batch_size: int) -> list[int]:
-        out = []
-        for position in range(step * batch_size, (step + 1) * batch_size):
-            epoch, offset = divmod(position, self.num_rows)
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            out.append(int(torch.randperm(self.num_rows, generator=generator)[offset]))
-        return out
 
 
 @dataclass(frozen=True)
@@ -266,17 +251,6 @@ def assemble_rollouts(prompt_ids: Sequence[Sequence[int]], results: Sequence[Any
         media=row_media,
         rollout_logp=torch.cat([torch.zeros_like(prompt_mask, dtype=torch.float32), picked], dim=1),
     )
-
-
-def score_rollouts(rows: Sequence[dict[str, Any]], responses: Sequence[str], reward: str | None, n: int,
-                   ) -> list[dict[str, Any]]:
-    """verl's reward call per response (keyword arguments data_source, solution_str, ground_truth,
-    extra_info); response i answers row i // n. `reward=None` dispatches by each row's data_source."""
-    items = [{"data_source": rows[i // n].get("data_source", ""), "solution_str": text,
-              "ground_truth": rows[i // n]["reward_model"]["ground_truth"],
-              "extra_info": rows[i // n].get("extra_info")}
-             for i, text in enumerate(responses)]
-    return score_batch(items, reward)
 
 
 def rollout_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> Tensor:
