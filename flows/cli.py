@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from flows.cli_options import state
-from flows.prefect_env import quiet_prefect_tracebacks, start_embedded_prefect_api, use_embedded_prefect
+from flows.prefect_env import quiet_prefect_tracebacks, use_embedded_prefect
 from omni_core.config import ConfigValidationError, PipelineConfig, load_pipeline
 from omni_core.errors import OmniError
 
@@ -99,12 +99,9 @@ def run(
     prefect_home = use_embedded_prefect()
     console.print(f"[bold]omni[/bold] running pipeline [cyan]{config.name}[/cyan] "
                   f"({len(config.stages)} stages) from {pipeline_file}")
-    # the embedded API starts while the flow's modules import (flows.prefect_env: they overlap)
-    api_started = start_embedded_prefect_api() if prefect_home else lambda: None
     from flows.pipeline import pipeline  # imports Prefect: only when a run is asked for
 
     quiet_prefect_tracebacks()
-    api_started()
 
     started = time.perf_counter()
     summary = pipeline(pipeline_file=str(pipeline_file), overrides=list(overrides or []), force=list(force or []))

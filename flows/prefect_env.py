@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 from flows.cli_options import state
@@ -26,37 +24,6 @@ def use_embedded_prefect() -> str | None:
     # The first start migrates a fresh database; on a busy 2-core machine that can exceed the 20 s default.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     return home
-
-
-def start_embedded_prefect_api() -> Callable[[], None]:
-    """Starts Prefect's temporary API server (the embedded default) now, in the background, and returns
-    the function that waits until it answers (or raises why it did not start).
-
-    Prefect starts that server (a subprocess importing all of Prefect's server: ~10 s of CPU) only at
-    the flow's first API call, after this process has imported the flow's modules (torch, MLflow: as
-    long again); started here, the two overlap on a second core. The flow's client then finds the
-    server running (`SubprocessASGIServer` is one instance per process). Call it after
-    `use_embedded_prefect()` and before importing the flow's modules."""
-    from prefect.server.api.server import SubprocessASGIServer
-
-    server = SubprocessASGIServer()
-    failure: list[BaseException] = []
-
-    def start() -> None:
-        try:
-            server.start()
-        except BaseException as exc:  # re-raised by wait(), in the main thread
-            failure.append(exc)
-
-    thread = threading.Thread(target=start, name="prefect-temporary-server", daemon=True)
-    thread.start()
-
-    def wait() -> None:
-        thread.join()
-        if failure:
-            raise failure[0]
-
-    return wait
 
 
 class _WithoutTracebacks(logging.Formatter):
