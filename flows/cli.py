@@ -5,6 +5,8 @@ User-caused errors (OmniError) print one line and exit 2; `--debug` shows the tr
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import sys
 import time
@@ -22,6 +24,12 @@ from flows.cli_options import state
 from flows.prefect_env import quiet_prefect_tracebacks, use_embedded_prefect
 from omni_core.config import ConfigValidationError, PipelineConfig, load_pipeline
 from omni_core.errors import OmniError
+
+# Registered at import, so it runs after the exit handlers registered later (Prefect stopping its
+# temporary server), just before the interpreter's own clean-up: the ~400k objects torch, MLflow and
+# Prefect built at import go to the permanent generation, which the finalising garbage collections skip.
+# Without it an `omni run` spent 5-6 s (busy 2-core machine) in those collections after its last line.
+atexit.register(gc.freeze)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Reproducible multimodal RL post-training pipelines.")

@@ -6,7 +6,6 @@ import io
 import json
 from typing import Annotated, Any
 
-import pyarrow.parquet as pq
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -115,6 +114,8 @@ def show_command(
     split = split or next(iter(m["splits"]))
     keys = dv.shard_keys(split)
     if rows and keys:
+        import pyarrow.parquet as pq  # here, not at the top: every `omni` command imports this module (~1 s)
+
         with st.open_read(keys[0]) as f:
             sample = pq.ParquetFile(f).read_row_group(0).slice(0, rows).to_pylist()
         for i, row in enumerate(sample):
