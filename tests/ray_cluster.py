@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,7 +91,7 @@ class RayCluster:
         while not {n["raylet"]["nodeId"] for n in self.alive_nodes()} - before:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"ray worker node did not join: {self.logs[-1].read_text()[-3000:]}")
-            time.sleep(1)
+            time.sleep(0.5)
         return proc
 
     def alive_nodes(self) -> list[dict]:
@@ -130,36 +129,18 @@ class RayCluster:
 
 
 def start_cluster(head_cpus: int = 1, head_resources: dict[str, float] | None = None,
-                  token: str | None = None, wait: float = 120,
-                  nodes: tuple[tuple[int, dict[str, float]], ...] = ()) -> RayCluster:
-    """A head node with its job server and `nodes` worker nodes ((num_cpus, resources) each), those
-    started as soon as the head's GCS listens (beside the rest of the head's start-up); add more
-    worker nodes with `add_node`."""
+                  token: str | None = None, wait: float = 120) -> RayCluster:
+    """A head node with its job server; add worker nodes with `add_node`."""
     cluster = RayCluster(tempfile.mkdtemp(prefix="rc", dir="/tmp"), free_port(), free_port(), token)
-    cluster._start(["--head", f"--port={cluster.port}", f"--num-cpus={head_cpus}",
-                    f"--resources={json.dumps(head_resources or {})}", "--include-dashboard=true",
-                    "--dashboard-host=127.0.0.1", f"--dashboard-port={cluster.dashboard}",
-                    f"--ray-client-server-port={free_port()}"], "head")
+    head = cluster._start(["--head", f"--port={cluster.port}", f"--num-cpus={head_cpus}",
+                           f"--resources={json.dumps(head_resources or {})}", "--include-dashboard=true",
+                           "--dashboard-host=127.0.0.1", f"--dashboard-port={cluster.dashboard}",
+                           f"--ray-client-server-port={free_port()}"], "head")
     deadline = time.monotonic() + wait
-
-    def check(ready: Callable[[], bool]) -> None:
-        while not ready():
-            if any(p.poll() is not None for p in cluster.nodes) or time.monotonic() > deadline:
-                log = "\n".join(f.read_text()[-3000:] for f in cluster.logs)
-                cluster.stop()
-                raise RuntimeError(f"ray cluster did not start: {log}")
-            time.sleep(0.5)
-
-    if nodes:
-        check(lambda: _listening(cluster.port))
-        for num_cpus, resources in nodes:
-            cluster._start([f"--address={cluster.address}", f"--num-cpus={num_cpus}",
-                            f"--resources={json.dumps(resources)}"], f"node{len(cluster.nodes)}")
-    check(lambda: len(cluster.alive_nodes()) == 1 + len(nodes))
+    while not cluster.alive_nodes():
+        if head.poll() is not None or time.monotonic() > deadline:
+            log = cluster.logs[0].read_text()[-3000:]
+            cluster.stop()
+            raise RuntimeError(f"ray head did not start: {log}")
+        time.sleep(0.5)
     return cluster
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(1)
-        return s.connect_ex(("127.0.0.1", port)) == 0
