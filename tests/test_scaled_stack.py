@@ -300,11 +300,12 @@ def test_a_worker_node_lost_during_training_resumes_and_ends_with_the_same_weigh
             assert raylets, "no raylet under the worker node's `ray start`"
             for p in raylets:
                 p.kill()
-            # the uninterrupted run, on a local Ray of its own, runs beside the recovery (mostly waiting:
-            # for the node's death to be noticed, the replacement to start, the actors to come back)
+            cluster.add_node(num_cpus=2, resources={"omni_worker": 4})  # the replacement
+            # the uninterrupted run, on a local Ray of its own, runs beside the recovery (mostly waiting for
+            # the actors to come back); started once the replacement joined: a Ray starting beside the
+            # replacement's start-up made that miss Ray's 30 s limit at load ~10
             with open(local_log, "w") as log:  # a file: nobody reads a pipe while the other run is awaited
                 local = train(stack, fault_pipeline(stack, local_store, "local"), out=log)
-            cluster.add_node(num_cpus=2, resources={"omni_worker": 4})  # the replacement
             out, _ = proc.communicate(timeout=420)
             local.wait(timeout=420)
         finally:
