@@ -171,7 +171,7 @@ def ensure_work_pools(specs: list[DeploymentSpec]) -> list[str]:
     """Create the work pools these deployments name when missing; returns the names created."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectNotFound
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
     from prefect.workers.utilities import get_default_base_job_template_for_infrastructure_type
 
     created = []
@@ -190,7 +190,10 @@ def ensure_work_pools(specs: list[DeploymentSpec]) -> list[str]:
                         else asyncio.run(get_default_base_job_template_for_infrastructure_type(kind)))
             if template is None:
                 raise DeploymentError(f"work pool {pool!r}: Prefect knows no job template for type {kind!r}")
-            client.create_work_pool(WorkPoolCreate(name=pool, type=kind, base_job_template=template))
+            try:
+                client.create_work_pool(WorkPoolCreate(name=pool, type=kind, base_job_template=template))
+            except ObjectAlreadyExists:  # made meanwhile (a worker started with --type creates its pool)
+                continue
             created.append(pool)
     return created
 

@@ -12,6 +12,7 @@ import os
 import secrets
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,24 +31,27 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
     folder = tmp_path_factory.mktemp("auth")
-    s3 = iam_moto(folder / "s3")
+    started: list[Any] = []
     try:
-        s3.client().create_bucket(Bucket="auth-artifacts")
-        prefect = prefect_server(folder / "prefect", f"sqlite+aiosqlite:///{folder / 'prefect.db'}", PREFECT_AUTH)
-    except BaseException:
-        s3.stop()
-        raise
-    try:
-        mlflow = mlflow_server(folder / "mlflow", f"sqlite:///{folder / 'mlflow.db'}", "s3://auth-artifacts/ml",
-                               f"sqlite:///{folder / 'auth.db'}", MLFLOW_PASSWORD, s3.client_env())
-    except BaseException:
-        prefect.stop()
-        s3.stop()
-        raise
-    yield prefect, mlflow, folder, s3
-    mlflow.stop()
-    prefect.stop()
-    s3.stop()
+        # side by side (each start is mostly a Python process importing its server): moto, Prefect,
+        # MLflow; MLflow's artifact bucket is made once moto answers, before any request to MLflow
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(iam_moto, folder / "s3"),
+                       pool.submit(prefect_server, folder / "prefect", f"sqlite+aiosqlite:///{folder / 'prefect.db'}",
+                                   PREFECT_AUTH)]
+            try:
+                s3 = futures[0].result()
+                futures.append(pool.submit(mlflow_server, folder / "mlflow", f"sqlite:///{folder / 'mlflow.db'}",
+                                           "s3://auth-artifacts/ml", f"sqlite:///{folder / 'auth.db'}",
+                                           MLFLOW_PASSWORD, s3.client_env()))
+                s3.client().create_bucket(Bucket="auth-artifacts")
+            finally:  # whatever started is stopped below, even when another failed
+                started.extend(f.result() for f in futures if f.exception() is None)
+            prefect, mlflow = futures[1].result(), futures[2].result()
+        yield prefect, mlflow, folder, s3
+    finally:
+        for server in reversed(started):
+            server.stop()
 
 
 def omni(*args: str, env: dict[str, str], drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:

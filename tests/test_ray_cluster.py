@@ -158,7 +158,7 @@ def test_local_starts_its_own_ray_beside_a_running_cluster(cluster: RayCluster, 
               "init_ray(RayConfig(address='local', num_cpus=1))\n"
               "print(json.dumps({'gcs': ray.get_runtime_context().gcs_address,"
               " 'nodes': len(ray.nodes()), 'cpus': ray.cluster_resources().get('CPU')}))\nray.shutdown()\n")
-    try:
+    try:  # one after the other: two Rays starting at once on a busy machine miss Ray's 30 s start-up limit
         for env in ({**cluster.driver_env(), "RAY_ADDRESS": cluster.address},
                     {**cluster.driver_env(), "RAY_TMPDIR": str(ray_tmp)}):
             out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
@@ -180,6 +180,7 @@ def test_the_cluster_and_its_job_server_refuse_callers_without_the_token(cluster
     assert httpx.get(jobs, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).status_code == 200
     script = ("from omni_core.config import RayConfig\nfrom omni_core.training.ray_env import init_ray\n"
               f"init_ray(RayConfig(address='{cluster.address}'))\n")
-    env = {**cluster.driver_env(), "RAY_AUTH_TOKEN": "0" * 64}
+    # the driver gives up after 3 tries to get the cluster's ID, not Ray's 20 (one a second): refused is refused
+    env = {**cluster.driver_env(), "RAY_AUTH_TOKEN": "0" * 64, "RAY_NUM_REDIS_GET_RETRIES": "3"}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode != 0 and f"ray.address {cluster.address}: cannot connect" in out.stderr, out.stderr[-3000:]
