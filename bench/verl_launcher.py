@@ -89,7 +89,7 @@ def bench_mirror(model_mb: int, repeats: int) -> dict[str, Any]:
     import boto3
     from boto3.s3.transfer import TransferConfig
 
-    from omni_core.backends.verl.mirror import mirror_new
+    from omni_core.backends.jobs.mirror import mirror_new
 
     proc, endpoint = _moto()
     _s3_env(endpoint)

@@ -5,6 +5,10 @@ algorithms, losses, rewards, converters, fixtures).
     POLICY_LOSSES.add("gspo", fn)          # a second, different "gspo" raises ValueError
     POLICY_LOSSES.get("gpso")              # ConfigError: unknown policy loss 'gpso'; known: ...
 
+Every lookup first loads the plugins (omni_core.plugins: the built-in ones and the installed
+packages' `omni_core.plugins` entry points), once per process, so a table holds what plugins add
+before anything is looked up in it.
+
 Written here rather than taken from a library: the nine tables need only this, and each needs the
 same two guarantees (a name registered twice by different code is a bug found at import time; an
 unknown name is a ConfigError listing the known ones).
@@ -19,6 +23,12 @@ from omni_core.errors import ConfigError
 
 T = TypeVar("T")
 _MISSING = object()
+
+
+def _plugins() -> None:
+    from omni_core.plugins import load_plugins
+
+    load_plugins()
 
 
 def _origin(value: object) -> tuple[str, str] | None:
@@ -53,6 +63,7 @@ class Registry(Generic[T]):
 
     def get(self, name: str, default: Any = _MISSING) -> T:
         """The thing registered as `name`; `default` if given, else a ConfigError naming the known ones."""
+        _plugins()
         try:
             return self._items[name]
         except KeyError:
@@ -63,23 +74,29 @@ class Registry(Generic[T]):
             raise ConfigError(f"unknown {self.what} {name!r}; known: {known}{hint}") from None
 
     def names(self) -> list[str]:
+        _plugins()
         return sorted(self._items)
 
     def items(self) -> list[tuple[str, T]]:
+        _plugins()
         return sorted(self._items.items())
 
     def __contains__(self, name: object) -> bool:
+        _plugins()
         return name in self._items
 
     def __iter__(self) -> Iterator[str]:
+        _plugins()
         return iter(sorted(self._items))
 
     def __len__(self) -> int:
+        _plugins()
         return len(self._items)
 
     # Mapping access, for lookups that handle the KeyError themselves and for tests that swap an entry
     # (monkeypatch.setitem): item assignment replaces without the duplicate check.
     def __getitem__(self, name: str) -> T:
+        _plugins()
         return self._items[name]
 
     def __setitem__(self, name: str, value: T) -> None:

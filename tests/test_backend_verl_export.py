@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from verl_env import verl_python
 
-from omni_core.backends.verl.export import export_dataset, stage_model
+from omni_core.backends.jobs.export import export_dataset, stage_model
 from omni_core.config import DatasetConfig
 from omni_core.data import ingest
 from omni_core.errors import DataError, ModelError

@@ -24,8 +24,8 @@ from test_backend_verl_cpu import CPU_ENV, CPU_OVERRIDES
 from verl_env import verl_python
 
 from omni_core.backends.verl import VerlBackend, VerlCommand, VerlTraining, render
-from omni_core.backends.verl.export import export_dataset, stage_model
-from omni_core.backends.verl.job import (
+from omni_core.backends.jobs.export import export_dataset, stage_model
+from omni_core.backends.jobs.job import (
     describe_env,
     entrypoint_resources,
     follow,
@@ -34,7 +34,7 @@ from omni_core.backends.verl.job import (
     submission_id,
     submit,
 )
-from omni_core.backends.verl.mirror import mirror_new
+from omni_core.backends.jobs.mirror import mirror_new
 from omni_core.config import DatasetConfig
 from omni_core.data import ingest
 from omni_core.storage import Store
@@ -159,7 +159,7 @@ def test_a_verl_omni_recipe_stage_goes_through_the_job_path_up_to_the_jobs_start
     the recipe's layout, stages the model, submits the rendered command with its runtime env. The job's
     python is a wrapper around an interpreter without verl_omni (no GPUs here): it prints the argv and env
     it got, then fails importing verl_omni, which the stage reports as such."""
-    from omni_core.backends.verl.runner import VerlJobError
+    from omni_core.backends.jobs.runner import JobError as VerlJobError
     from omni_core.backends.verl_omni.stage import paths_for, recipe_command
     from omni_core.config import validate_pipeline
     from omni_core.pipeline.run import PipelineRun

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_core.backends.verl.mirror import committed_steps, mirror_new, prepare_resume
+from omni_core.backends.jobs.mirror import committed_steps, mirror_new, prepare_resume
 from omni_core.storage import Store
 from omni_core.training.checkpoint import CheckpointError, checkpoint_steps, latest_checkpoint
 

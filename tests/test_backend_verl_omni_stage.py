@@ -114,7 +114,7 @@ def test_where_it_runs_is_not_in_the_run_key_but_what_it_trains_is(tmp_path):
 def no_driver_credentials(monkeypatch):
     """The driver's credentials unset: what the plan forwards is then exactly what the test sets (other
     modules on this xdist worker may have left MLflow / S3 / hub credentials in os.environ)."""
-    from omni_core.backends.verl.job import FORWARDED_ENV
+    from omni_core.backends.jobs.job import FORWARDED_ENV
 
     for name in FORWARDED_ENV:
         monkeypatch.delenv(name, raising=False)
@@ -297,7 +297,7 @@ def test_the_final_checkpoint_commits_the_recipes_lora_adapter(tmp_path):
     a Hugging Face folder; the manifest is written again and the weights' sha256 is the file's."""
     import hashlib
 
-    from omni_core.backends.verl import mirror
+    from omni_core.backends.jobs import mirror
     from omni_core.backends.verl_omni.runner import _commit_final, final_weights
     from omni_core.backends.verl_omni.stage import recipe_command
     from omni_core.storage import Store

@@ -34,7 +34,7 @@ from test_backend_verl_job import ray_jobs  # noqa: F401 - fixture
 from typer.testing import CliRunner
 from verl_env import verl_python
 
-from omni_core.backends.verl.job import STEP_LINE
+from omni_core.backends.jobs.job import STEP_LINE
 from omni_core.config import validate_pipeline
 from omni_core.storage import Store
 from omni_core.training.checkpoint import LATEST, MANIFEST, checkpoint_steps, stage_prefix

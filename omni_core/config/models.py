@@ -1,7 +1,10 @@
 """Pydantic models of a pipeline file. They are the source of truth for what a pipeline may say.
 
 Every model forbids unknown keys, so a typo fails before anything runs, naming the key.
-Stage models are discriminated by `kind`; adding a stage kind means adding one model here.
+Stage models are discriminated by `kind`. The `algorithm:` and `backend:` sections of a training
+stage are parsed through tables that plugins fill (omni_core.config.algorithms, .backends): nothing
+here names an algorithm or a backend besides the default one, and nothing here imports a trainer or
+a backend's code.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from pydantic import (
     Field,
     SerializeAsAny,
     SerializerFunctionWrapHandler,
-    ValidationError,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
@@ -23,8 +25,27 @@ from pydantic import (
     model_validator,
 )
 
-from omni_core.backends.verl.options import VerlBackend
-from omni_core.backends.verl_omni.options import VerlOmniBackend
+from omni_core.config.algorithms import (
+    ALL,
+    DIFFUSION_MODEL,
+    LANGUAGE_MODEL,
+    PAIRS,
+    SUPERVISED,
+    AlgorithmOptions,
+    algorithm_names,
+    describe_algorithms,
+    describe_trainer_defaults,
+    get_algorithm,
+    model_kind,
+    parse_options,
+)
+from omni_core.config.backends import (
+    DEFAULT_BACKEND,
+    BackendOptions,
+    backend_of,
+    describe_backends,
+    parse_backend,
+)
 
 
 class Strict(BaseModel):
@@ -93,24 +114,17 @@ class BuildImagesStage(StageBase):
 
 
 # ---- the training stages (rl, sft) --------------------------------------------------------------
-# An algorithm is one record in omni_core.training.algorithms (options model, trainer, data, model
+# An algorithm is one record in omni_core.config.algorithms (options model, trainer, data, model
 # kind, the stage keys it reads and its defaults for them): nothing here names an algorithm.
-
-from omni_core.training.algorithms import (  # noqa: E402
-    ALL,
-    DIFFUSION_MODEL,
-    LANGUAGE_MODEL,
-    PAIRS,
-    SUPERVISED,
-    AlgorithmOptions,
-    get_algorithm,
-    parse_options,
-)
 
 AlgorithmConfig = AlgorithmOptions  # the `algorithm:` section: the chosen algorithm's options model
 # For forms (the Prefect UI): `name` plus the chosen algorithm's keys, checked when the pipeline loads.
 _ALGORITHM_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "default": "grpo"}},
                      "additionalProperties": True, "title": "Algorithm"}
+# `backend:` for forms: a backend's name, or its options with `name`, checked when the pipeline loads.
+_BACKEND_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "object", "properties": {"name": {"type": "string"}},
+                                                  "required": ["name"], "additionalProperties": True}],
+                   "title": "Backend"}
 
 
 class RolloutConfig(Strict):
@@ -205,7 +219,6 @@ ROLES = ("trainer", "rollout", "reward")
 # Keys of the stage that change how it runs, not the weights it trains: left out of the run key.
 RUN_KEY_EXCLUDED = frozenset({"name", "after", "num_cpus", "resources", "checkpoint"})
 RUN_KEY_EXCLUDED_EXECUTION = frozenset({"max_failures", "retry_backoff_s"})
-RUN_KEY_EXCLUDED_BACKEND = frozenset({"python", "shared_dir", "env", "entrypoint_resources"})
 
 
 class ModelFrom(Strict):
@@ -241,48 +254,24 @@ class RLStage(StageBase):
     data: str = Field(description="Dataset key, optionally with a split: `gsm8k` or `gsm8k:train`.")
     algorithm: Annotated[SerializeAsAny[AlgorithmOptions], WithJsonSchema(_ALGORITHM_SCHEMA)] = Field(
         default=None, validate_default=True,  # type: ignore[arg-type]
-        description="`name` picks the algorithm (grpo, gspo, dpo, mpo, flow_grpo, sft, or a registered policy "
-                    "loss); the other keys are its options.")
+        json_schema_extra=describe_algorithms)  # its description lists the registered algorithms
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
-    trainer: TrainerConfig = Field(
-        default_factory=TrainerConfig,
-        description="lr and batch_size default by algorithm: 1e-4/4 (grpo, gspo), 1e-3/8 (dpo, mpo), 3e-4/2 "
-                    "(flow_grpo), 3e-3/32 (sft).")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig,
+                                   json_schema_extra=describe_trainer_defaults)  # the records' defaults
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved for the trainer actor (resources.trainer.CPU).")
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     resources: dict[Literal["trainer", "rollout", "reward"], dict[str, Annotated[float, Field(ge=0)]]] = Field(
         default_factory=dict, description="Ray resources per role, e.g. {rollout: {CPU: 1, GPU: 1}}; defaults: "
                                           "trainer CPU num_cpus, rollout CPU 1, reward CPU 0.")
-    backend: Literal["native"] | Annotated[VerlBackend | VerlOmniBackend, Field(discriminator="name")] = Field(
-        "native", description="native: our trainer on Ray (default); {name: verl, shared_dir, python, nnodes, "
-                              "n_gpus_per_node, overrides, env}: verl's trainer as a Ray Job; {name: verl_omni, "
-                              "recipe, shared_dir, ...}: a VeRL-Omni recipe as a Ray Job (README: Running on verl).")
+    backend: Annotated[str | SerializeAsAny[BackendOptions], WithJsonSchema(_BACKEND_SCHEMA)] = Field(
+        DEFAULT_BACKEND, json_schema_extra=describe_backends)  # its description lists the registered backends
 
     @field_validator("backend", mode="before")
     @classmethod
-    def _backend_by_name(cls, value: Any) -> Any:
-        if value == "verl":
-            raise ValueError("backend: verl needs its options: write backend: {name: verl, shared_dir: PATH} "
-                             "(shared_dir: a path every Ray node sees)")
-        if value == "verl_omni":
-            raise ValueError("backend: verl_omni needs its options: write backend: {name: verl_omni, recipe: NAME, "
-                             "shared_dir: PATH} (`omni recipes list` shows the recipes)")
-        if isinstance(value, dict):
-            name = value.get("name", "verl")
-            if name not in ("verl", "verl_omni"):
-                raise ValueError(f"backend.name: {name!r}; use native (our trainer), verl or verl_omni")
-            model = VerlOmniBackend if name == "verl_omni" else VerlBackend
-            try:  # validated here so that an error names the backend's key, not every member of the union
-                return model.model_validate({**value, "name": name})
-            except ValidationError as exc:
-                err = exc.errors()[0]
-                key = ".".join(str(p) for p in err["loc"])
-                message = "unknown key (remove it or check its spelling)" if err["type"] == "extra_forbidden" \
-                    else err["msg"].removeprefix("Value error, ")
-                raise ValueError(f"{key}: {message}" if key else message) from None
-        return value
+    def _registered_backend(cls, value: Any) -> Any:
+        return parse_backend(value)
 
     @field_validator("algorithm", mode="before")
     @classmethod
@@ -345,19 +334,10 @@ class RLStage(StageBase):
         for key in ("adapter", "adapter_stage", "lora"):
             if data.get(key, "") is None:
                 del data[key]
-        if data.get("backend") == "native":  # the default: digests and run keys stay what they were
+        if data.get("backend") == DEFAULT_BACKEND:  # the default: digests and run keys stay what they were
             del data["backend"]
-        if isinstance(self.backend, VerlOmniBackend):  # the recipe decides the rest: only what the file set
-            given = set(self.keys_given())
-            if "model" not in self.model_fields_set:  # the recipe's own model
-                data.pop("model", None)
-            for key in ("num_cpus", "resources"):  # refused when set (backend.nnodes / n_gpus_per_node place it)
-                if key not in self.model_fields_set:
-                    data.pop(key, None)
-            for section in ("algorithm", "trainer", "rollout", "reward", "execution", "checkpoint", "lora"):
-                if isinstance(data.get(section), dict):
-                    data[section] = {k: v for k, v in data[section].items()
-                                     if k == "name" and section == "algorithm" or f"{section}.{k}" in given}
+        if isinstance(self.backend, BackendOptions):  # the backend's own rules (a recipe: only what the file set)
+            data = self.backend.dump_stage(self, data)
         uses = self.record.stage_keys
         for section in ("trainer", "rollout", "reward"):
             if section not in data:
@@ -373,10 +353,6 @@ class RLStage(StageBase):
 TrainingStage = RLStage
 TRAINING_KINDS = ("rl", "sft")
 
-# What a model URI or adapter name is, where that is known without loading anything.
-_KNOWN_MODELS = {"tiny://sd3": DIFFUSION_MODEL, "tiny://lm": LANGUAGE_MODEL, "tiny://qwen3-omni": LANGUAGE_MODEL}
-_KNOWN_ADAPTERS = {"sd3": DIFFUSION_MODEL, "causal_lm": LANGUAGE_MODEL, "qwen3_omni": LANGUAGE_MODEL,
-                   "qwen3_omni_thinker": LANGUAGE_MODEL}
 PREFERENCE_CONVERTERS = ("omni_preference",)
 
 
@@ -393,27 +369,27 @@ def _rl_stage_problem(stage: RLStage, datasets: dict[str, DatasetConfig]) -> str
                 "use kind: rl for it")
     if stage.kind == "rl" and record.data == SUPERVISED:
         return f"{where}.algorithm.name: {algo} is supervised fine-tuning: use kind: sft for this stage"
-    recipe = isinstance(stage.backend, VerlOmniBackend)  # the recipe decides what its keys mean (verl_omni_problem)
-    unused = [] if recipe else stage.unused_keys()
+    # a backend that decides what the stage's keys mean (a recipe) checks them itself (Backend.check)
+    decides = isinstance(stage.backend, BackendOptions) and stage.backend.decides_stage_keys
+    unused = [] if decides else stage.unused_keys()
     if unused:
         reads = record.stage_keys
         said = "; ".join(f"{s}: {', '.join(k) if k != ALL else 'all'}" for s, k in reads.items()) or "none"
         return (f"{where}.{unused[0]}: not used by {algo} (remove it; {algo} reads {said}; "
                 f"its own options go under algorithm:)")
-    if stage.execution.mode == "separate_async" and not record.separate_async and not recipe:
-        from omni_core.training.algorithms import algorithm_names, get_algorithm
-
+    if stage.execution.mode == "separate_async" and not record.separate_async and not decides:
         able = [n for n in algorithm_names() if get_algorithm(n).separate_async]
         return (f"{where}.execution.mode: separate_async runs rollout workers beside the trainer, for "
                 f"{' and '.join(able)}; {algo} trains in one actor (mode: sync)")
     model_name = stage.model if isinstance(stage.model, str) else ""
-    if isinstance(stage.backend, VerlOmniBackend) and "model" not in stage.model_fields_set:
-        model_name = ""  # the recipe's own model (omni_core.backends.verl_omni.stage.model_for)
-    model_kind = _KNOWN_MODELS.get(model_name)
-    adapter_kind = _KNOWN_ADAPTERS.get(stage.adapter or "")
-    if model_kind and adapter_kind and model_kind != adapter_kind:
-        return f"{where}.adapter: {stage.adapter} is for {adapter_kind}, but {model_name} is {model_kind}"
-    kind, key = (adapter_kind, "adapter") if adapter_kind else (model_kind, "model")
+    if isinstance(stage.backend, BackendOptions) and stage.backend.brings_model \
+            and "model" not in stage.model_fields_set:
+        model_name = ""  # the backend's own model (a recipe's)
+    known_model = model_kind("model", model_name)
+    adapter_kind = model_kind("adapter", stage.adapter or "")
+    if known_model and adapter_kind and known_model != adapter_kind:
+        return f"{where}.adapter: {stage.adapter} is for {adapter_kind}, but {model_name} is {known_model}"
+    kind, key = (adapter_kind, "adapter") if adapter_kind else (known_model, "model")
     wanted = record.model_kind
     if kind and kind != wanted:
         value = stage.adapter if key == "adapter" else model_name
@@ -586,22 +562,8 @@ class PipelineConfig(Strict):
                     raise ValueError(f"stages.{stage.name}.{field}: '{key}' is not under datasets: ({known})")
             if isinstance(stage, RLStage) and (problem := _rl_stage_problem(stage, self.datasets)):
                 raise ValueError(problem)
-            if isinstance(stage, RLStage) and isinstance(stage.backend, VerlBackend):
-                from omni_core.backends.verl.stage import verl_problem
-
-                if problem := verl_problem(stage):
-                    raise ValueError(problem)
-                if self.ray.address == "local":
-                    raise ValueError(f"ray.address: local, but stage {stage.name} runs on verl as a Ray Job: set "
-                                     "ray.address to the cluster's job server (the dashboard URL, http://HOST:8265)")
-            if isinstance(stage, RLStage) and isinstance(stage.backend, VerlOmniBackend):
-                from omni_core.backends.verl_omni.stage import verl_omni_problem
-
-                if problem := verl_omni_problem(stage, self.datasets):
-                    raise ValueError(problem)
-                if self.ray.address == "local":
-                    raise ValueError(f"ray.address: local, but stage {stage.name} runs a VeRL-Omni recipe as a Ray Job: "
-                                     "set ray.address to the cluster's job server (the dashboard URL, http://HOST:8265)")
+            if isinstance(stage, RLStage) and (problem := backend_of(stage).check(stage, self)):
+                raise ValueError(problem)
         self.ordered_stages()  # raises on a cycle
         for stage in self.stages:  # checks that need the whole graph (an eval's upstream rl stage, ...)
             if (check := getattr(stage, "pipeline_problem", None)) and (problem := check(self)):

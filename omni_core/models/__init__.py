@@ -1,41 +1,28 @@
-"""Models: the factory (`load_model`), built-in tiny models, adapters, LoRA and log-prob helpers."""
+"""Models: the factory (`load_model`), built-in tiny models, adapters, LoRA and log-prob helpers.
 
-from omni_core.models.adapters import (
-    CausalLMAdapter,
-    OmniModelBase,
-    Qwen3OmniAdapter,
-    Qwen3OmniThinkerAdapter,
-    SD3DiffusionAdapter,
-    parameter_count,
-    resolve_adapter,
-)
-from omni_core.models.diffusion import PromptEmbeds, SD3Model, load_sd3
-from omni_core.models.factory import ACCEPTED_FORMS, load_model, model_architecture
-from omni_core.models.logprobs import sequence_logprobs, token_logprobs
-from omni_core.models.lora import LoraSpec, apply_lora, lora_state_dict, trainable_parameter_count
-from omni_core.models.tiny import cache_root, tiny_model_dir, tiny_model_names
+The names below load lazily (PEP 562), so importing a light submodule (the adapters' registry, which
+the config's model-kind table reads) costs no torch."""
 
-__all__ = [
-    "ACCEPTED_FORMS",
-    "CausalLMAdapter",
-    "LoraSpec",
-    "OmniModelBase",
-    "PromptEmbeds",
-    "Qwen3OmniAdapter",
-    "Qwen3OmniThinkerAdapter",
-    "SD3DiffusionAdapter",
-    "SD3Model",
-    "apply_lora",
-    "cache_root",
-    "load_model",
-    "load_sd3",
-    "lora_state_dict",
-    "model_architecture",
-    "parameter_count",
-    "resolve_adapter",
-    "sequence_logprobs",
-    "tiny_model_dir",
-    "tiny_model_names",
-    "token_logprobs",
-    "trainable_parameter_count",
-]
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_LAZY = {
+    "CausalLMAdapter": "adapters", "OmniModelBase": "adapters", "Qwen3OmniAdapter": "adapters",
+    "Qwen3OmniThinkerAdapter": "adapters", "SD3DiffusionAdapter": "adapters", "parameter_count": "adapters",
+    "resolve_adapter": "adapters",
+    "PromptEmbeds": "diffusion", "SD3Model": "diffusion", "load_sd3": "diffusion",
+    "ACCEPTED_FORMS": "factory", "load_model": "factory", "model_architecture": "factory",
+    "sequence_logprobs": "logprobs", "token_logprobs": "logprobs",
+    "LoraSpec": "lora", "apply_lora": "lora", "lora_state_dict": "lora", "trainable_parameter_count": "lora",
+    "cache_root": "tiny", "tiny_model_dir": "tiny", "tiny_model_names": "tiny",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(f"omni_core.models.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'omni_core.models' has no attribute {name!r}")

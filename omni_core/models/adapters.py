@@ -14,7 +14,10 @@ Built in:
 | `sd3`                | (`SD3Transformer2DModel`, all)                            | (`SD3Model`, tokenizer)     |
 
 A new model is one subclass: decorate it with `@OmniModelBase.register(architecture, stage, name=...)`
-and implement `load_pretrained`; override the other hooks where the defaults do not fit.
+and implement `load_pretrained`; override the other hooks where the defaults do not fit. Its
+`model_kind` and `known_models` (URIs that load with it) go into the config's model-kind table
+(omni_core.config.algorithms), which checks a stage's model against its algorithm without loading
+anything: this module imports no torch (a built-in plugin, omni_core.plugins).
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ import fnmatch
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from omni_core.config.algorithms import DIFFUSION_MODEL, LANGUAGE_MODEL, register_model_kind
 from omni_core.errors import ModelError
-from omni_core.models.lora import LoraSpec, apply_lora
+
+if TYPE_CHECKING:
+    from omni_core.models.lora import LoraSpec
 
 DEFAULT_STAGE = "all"
 Source = str | Path  # a local directory, or a hub id when not local_only
@@ -42,6 +48,8 @@ class OmniModelBase(ABC):
     lora_targets: ClassVar[list[str] | str] = []
     # Full fine-tuning (no LoRA) trains the parameters under these module prefixes; () = all.
     trainable_modules: ClassVar[tuple[str, ...]] = ()
+    model_kind: ClassVar[str] = LANGUAGE_MODEL  # what an algorithm must train to train it
+    known_models: ClassVar[tuple[str, ...]] = ()  # model URIs known to load with this adapter (tiny://...)
 
     _registry: ClassVar[dict[tuple[str, str], type[OmniModelBase]]] = {}
 
@@ -60,6 +68,9 @@ class OmniModelBase(ABC):
                 raise ValueError(f"adapter {key} / {name!r} is already registered as {clash.__qualname__}")
             subclass.architecture, subclass.stage, subclass.name = architecture, stage, name
             cls._registry[key] = subclass
+            register_model_kind("adapter", name, subclass.model_kind)
+            for uri in subclass.known_models:
+                register_model_kind("model", uri, subclass.model_kind)
             return subclass
 
         return decorator
@@ -141,6 +152,8 @@ class OmniModelBase(ABC):
     @classmethod
     def apply_lora(cls, model: Any, spec: LoraSpec) -> Any:
         """Wrap the model with LoRA (peft); only the adapter weights stay trainable."""
+        from omni_core.models.lora import apply_lora
+
         return apply_lora(model, spec, cls.lora_targets)
 
     # ---- the whole flow ----------------------------------------------------------------------
@@ -150,6 +163,8 @@ class OmniModelBase(ABC):
         cls, source: Source, *, local_only: bool = True, lora: LoraSpec | dict | None = None
     ) -> tuple[Any, Any]:
         """Load, configure for the stage, set what trains (LoRA or `trainable_modules`); eval mode."""
+        from omni_core.models.lora import LoraSpec
+
         spec = LoraSpec.parse(lora) if lora is not None else None
         model = cls.configure_model(cls.load_pretrained(source, local_only=local_only))
         if spec is None:
@@ -185,6 +200,8 @@ def resolve_adapter(
 class CausalLMAdapter(OmniModelBase):
     """Any transformers causal LM: nothing stripped, everything trained, LoRA on all linear layers
     of the decoder blocks (Llama/Qwen names)."""
+
+    known_models = ("tiny://lm",)
 
     lora_targets: ClassVar[list[str] | str] = [
         "q_proj",
@@ -229,6 +246,8 @@ class _Qwen3OmniBase(OmniModelBase):
 class Qwen3OmniAdapter(_Qwen3OmniBase):
     """The whole Qwen3-Omni (thinker, talker, code2wav), as saved. LoRA on the attention of the
     thinker's and the talker's decoders."""
+
+    known_models = ("tiny://qwen3-omni",)
 
     lora_targets: ClassVar[list[str] | str] = rf"(thinker\.model\.language_model|talker\.model)\.{_ATTN}"
 
@@ -275,6 +294,9 @@ class SD3DiffusionAdapter(OmniModelBase):
     """An `SD3Model` folder (see `omni_core.models.diffusion`): the transformer is trained, the text
     encoder is frozen. LoRA targets are flow_grpo's for SD3.5 (joint attention, both streams)."""
 
+    model_kind = DIFFUSION_MODEL
+    known_models = ("tiny://sd3",)
+
     lora_targets: ClassVar[list[str] | str] = [
         "attn.add_k_proj",
         "attn.add_q_proj",
@@ -305,6 +327,8 @@ class SD3DiffusionAdapter(OmniModelBase):
 
     @classmethod
     def apply_lora(cls, model: Any, spec: LoraSpec) -> Any:
+        from omni_core.models.lora import apply_lora
+
         model.text_encoder.requires_grad_(False)
         model.transformer = apply_lora(model.transformer, spec, cls.lora_targets)
         return model

@@ -1,7 +1,8 @@
 """The plan before the work (`omni plan PIPELINE`, `omni run PIPELINE --dry-run`): for every stage,
 in run order, what it would do, read from the config and the store without changing either.
 
-A verl or verl_omni (VeRL-Omni recipe) stage's entry is its Ray Job: the submission id, the exact entry point (every Hydra
+A training stage's entry is what its backend plans (omni_core.backends.Backend.plan): for a job
+backend (verl, verl_omni) its Ray Job: the submission id, the exact entry point (every Hydra
 override), the runtime environment (credentials shown by where they come from, never their values)
 and the files it stages on the shared path. Values that only exist once an upstream stage ran (the
 dataset version an ingest stage commits, the run key that depends on it, an upstream checkpoint)
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from omni_core.backends import PlannedTraining
 from omni_core.config import PipelineConfig
+from omni_core.config.backends import backend_of
 from omni_core.config.models import RLStage
 from omni_core.data import load_version
 from omni_core.errors import DataError
@@ -64,26 +67,9 @@ def _training(config: PipelineConfig, stage: RLStage, store: Store, ingested: se
 
         run_key = rl_run_key(stage, config.seed, version)
     data = f"{dataset}@{version or '<version>'}:{split}"
-    if stage.backend == "native":
-        return {"backend": "native", "does": f"trains {stage.algorithm.name} with our trainer on Ray "
-                f"({config.ray.address}) for {stage.trainer.total_steps} steps on {data} from {model}",
-                "run_key": run_key}
-    if stage.backend.name == "verl_omni":
-        from omni_core.backends.verl_omni.stage import plan as recipe_plan
-
-        job = recipe_plan(stage, pipeline=config.name, seed=config.seed, dataset=dataset,
-                          converter=config.datasets[dataset].converter if dataset in config.datasets else None,
-                          version=version, splits=splits, run_key=run_key, tracking_uri=config.tracking_uri,
-                          ray_address=config.ray.address)
-        return {"does": f"runs VeRL-Omni recipe {job['task']} as Ray Job {job['submission_id']} on "
-                        f"{config.ray.address} on {data} from {job['stages']['model']['from']}", "run_key": run_key, **job}
-    from omni_core.backends.verl.stage import plan
-
-    job = plan(stage, pipeline=config.name, seed=config.seed, dataset=dataset, split=split, version=version,
-               shard_count=shards, run_key=run_key, model_uri=model, tracking_uri=config.tracking_uri,
-               ray_address=config.ray.address)
-    return {"does": f"runs verl's {job['task']} trainer as Ray Job {job['submission_id']} on {config.ray.address} "
-                    f"for {stage.trainer.total_steps} steps on {data} from {model}", "run_key": run_key, **job}
+    planned = PlannedTraining(config=config, stage=stage, dataset=dataset, split=split, version=version,
+                              shard_count=shards, splits=splits, run_key=run_key, model=model, data=data)
+    return {"run_key": run_key, **backend_of(stage).plan(planned)}
 
 
 def format_plan(entries: list[dict[str, Any]]) -> str:
@@ -95,7 +81,7 @@ def format_plan(entries: list[dict[str, Any]]) -> str:
         after = f" after {', '.join(e['after'])}" if e["after"] else ""
         backend = f", backend {e['backend']}" if "backend" in e else ""
         lines.append(f"{e['name']} ({e['kind']}{backend}){after}: {e['does']}")
-        if e.get("backend") in ("verl", "verl_omni"):
+        if "entrypoint" in e:  # a job backend's Ray Job
             lines.append(f"  entrypoint: {e['entrypoint']}")
             lines.append(f"  runtime_env: {json.dumps(e['runtime_env'], sort_keys=True)}")
             ds, model = e["stages"]["dataset"], e["stages"]["model"]

@@ -253,11 +253,16 @@ class PipelineRun:
             self.outcomes[name] = StageOutcome(name, stage.kind, "failed", 0.0, "", error=_message(error))
 
     def cancel(self) -> dict[str, str | None]:
-        """On an interruption (Ctrl-C, Prefect's cancel SIGTERM) in the thread that received it: stop what
-        stages run outside this process (verl's Ray Jobs) and wait until it stopped. Returns job -> status."""
-        from omni_core.backends.verl.job import stop_followed
+        """On an interruption (Ctrl-C, Prefect's cancel SIGTERM) in the thread that received it: every
+        registered backend stops what it runs outside this process (a job backend's Ray Jobs) and waits
+        until it stopped. Returns job -> status."""
+        from omni_core.config.backends import backend_names, backend_of_name
 
-        return stop_followed()
+        stopped: dict[str, str | None] = {}
+        cancels = {type(backend).cancel: backend for backend in map(backend_of_name, backend_names())}
+        for backend in cancels.values():  # backends that share their job machinery cancel once
+            stopped.update(backend.cancel())
+        return stopped
 
     def finish(self, ok: bool) -> dict[str, Any]:
         try:

@@ -5,7 +5,7 @@
     download_prefix(store, keys, tmp)   every key of `store` copied to tmp/key (streamed)
 
 Used for models taken from an s3:// prefix into the local cache (omni_core.models.factory) and onto
-the shared path of a verl cluster (omni_core.backends.verl.export).
+the shared path of a verl cluster (omni_core.backends.jobs.export).
 """
 
 from __future__ import annotations

@@ -249,3 +249,11 @@ def latest_checkpoint(store: Store, stage_root: str) -> dict[str, Any] | None:
     step = int(store.read_text(f"{stage_root}/{LATEST}").strip())
     key = f"{checkpoint_prefix(stage_root, step)}/{MANIFEST}"
     return store.read_json(key) if store.exists(key) else None
+
+
+def weights_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of the trained weights: the manifest's `weights` file, else (older manifests) the first
+    .safetensors file."""
+    path = manifest.get("weights")
+    return next((f["sha256"] for f in manifest["files"]
+                 if (f["path"] == path if path else f["path"].endswith(".safetensors"))), "")

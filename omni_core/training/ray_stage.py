@@ -19,7 +19,6 @@ import ray
 import omni_core
 from omni_core.config.models import (
     RUN_KEY_EXCLUDED,
-    RUN_KEY_EXCLUDED_BACKEND,
     RUN_KEY_EXCLUDED_EXECUTION,
     RayConfig,
     RLStage,
@@ -27,7 +26,7 @@ from omni_core.config.models import (
 from omni_core.data.ingest import read_rows
 from omni_core.errors import DataError
 from omni_core.storage import Store
-from omni_core.training.checkpoint import latest_checkpoint, stage_prefix
+from omni_core.training.checkpoint import latest_checkpoint, stage_prefix, weights_digest
 from omni_core.training.ray_env import init_ray, is_local
 from omni_core.training.runner import StageRun, StageRunner
 
@@ -50,8 +49,8 @@ def run_key_payload(stage: RLStage, seed: int, dataset_version: str) -> dict[str
     spec["execution"] = {k: v for k, v in spec["execution"].items() if k not in RUN_KEY_EXCLUDED_EXECUTION}
     if isinstance(spec.get("model"), dict):  # `model: {from: STAGE}`: the upstream weights' digest, not where they are
         spec["model"] = {k: v for k, v in spec["model"].items() if k != "uri"}
-    if isinstance(spec.get("backend"), dict):  # where verl runs (interpreter, shared path, env), not what it trains
-        spec["backend"] = {k: v for k, v in spec["backend"].items() if k not in RUN_KEY_EXCLUDED_BACKEND}
+    if isinstance(spec.get("backend"), dict):  # the backend's rules: where it runs (interpreter, shared path, env) is out
+        spec["backend"] = stage.backend.run_key_options(spec["backend"])
     return {"stage": spec, "seed": seed, "dataset_version": dataset_version}
 
 
@@ -85,14 +84,6 @@ def ray_tags(cfg: RayConfig) -> dict[str, str]:
 read_split = read_rows  # the rows of a split's shards (`DatasetVersion.rows` reads a version's split)
 
 
-def _weights_digest(manifest: dict[str, Any]) -> str:
-    """sha256 of the trained weights: the manifest's `weights` file, else (older manifests) the first
-    .safetensors file."""
-    path = manifest.get("weights")
-    return next((f["sha256"] for f in manifest["files"]
-                 if (f["path"] == path if path else f["path"].endswith(".safetensors"))), "")
-
-
 def run_rl_stage(*, pipeline: str, stage: RLStage, seed: int, store: Store, shard_keys: list[str],
                  dataset_version: str, ray_config: RayConfig, tracking_uri: str | None, mlflow_run_id: str | None,
                  progress: Callable[[str], None] = print) -> RLStageResult:
@@ -105,7 +96,7 @@ def run_rl_stage(*, pipeline: str, stage: RLStage, seed: int, store: Store, shar
     if (existing is not None and existing["global_step"] >= stage.trainer.total_steps
             and stage.checkpoint.resume_mode != "disable"):
         progress(f"stage {stage.name}: checkpoint for run key {run_key} already committed; nothing to do")
-        return RLStageResult(run_key, existing["global_step"], existing["uri"], _weights_digest(existing),
+        return RLStageResult(run_key, existing["global_step"], existing["uri"], weights_digest(existing),
                              existing.get("final_metrics", {}), reused=True)
     rows = read_split(store, shard_keys)
     if not rows:
@@ -123,5 +114,5 @@ def run_rl_stage(*, pipeline: str, stage: RLStage, seed: int, store: Store, shar
         tracker=tracker, mlflow_run_id=mlflow_run_id, progress=progress,
         local_ray=is_local(ray_config)))
     manifest = runner.run()
-    return RLStageResult(run_key, manifest["global_step"], manifest["uri"], _weights_digest(manifest),
+    return RLStageResult(run_key, manifest["global_step"], manifest["uri"], weights_digest(manifest),
                          manifest["metrics"], reused=False, recoveries=runner.recoveries)

@@ -50,4 +50,4 @@ def build_stage_trainer(stage: RLStage, rows: list[dict[str, Any]], seed: int, *
         raise ConfigError(f"stages.{stage.name}.model: {stage.algorithm.name} trains {wanted}, but "
                           f"{stage.model_uri} loads as {found}")
     torch.manual_seed(seed)
-    return record.trainer(stage, rows, seed, model=model, text_io=text_io, rollout=rollout)
+    return record.build_trainer(stage, rows, seed, model=model, text_io=text_io, rollout=rollout)

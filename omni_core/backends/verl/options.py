@@ -5,25 +5,24 @@ options. `render.py` turns both into verl's command line.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
+
+from omni_core.backends.jobs.options import JobBackendOptions
 
 Task = Literal["sft", "grpo", "gspo"]
 
 
-class VerlBackend(BaseModel):
-    """`backend: {name: verl, ...}` on an `sft` or `rl` stage."""
+class VerlBackend(JobBackendOptions):
+    """`backend: {name: verl, ...}` on an `sft` or `rl` stage (shared_dir, entrypoint_resources: the
+    base's; by default an sft job's entry point asks for the node's GPUs, runner.entrypoint_resources)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: Literal["verl"] = "verl"
     python: str = Field("python3", description="The interpreter that has verl on the cluster (the CUDA image's).")
-    shared_dir: str = Field(description="A path every Ray node sees (NFS, Lustre, a PVC; locally any folder): "
-                                        "datasets, models and verl's checkpoints are staged under it.")
     nnodes: int = Field(1, ge=1)
     n_gpus_per_node: int = Field(1, ge=1)
     rollout_engine: Literal["vllm", "sglang"] = Field("vllm", description="main_ppo's rollout engine.")
@@ -36,16 +35,6 @@ class VerlBackend(BaseModel):
         "and the final one is committed as is; merge: only FSDP shards are saved and verl's model merger runs as a "
         "second Ray Job after the final step (for models too big to write twice at every save; it costs a new "
         "interpreter importing torch/verl, ~15-25 s here).")
-    entrypoint_resources: dict[str, float] | None = Field(
-        None, description="Keyword arguments of Ray's submit_job for the entry point (entrypoint_num_cpus, "
-                          "entrypoint_num_gpus); default: the node's GPUs for sft (torchrun trains in the entry point).")
-
-    @field_validator("shared_dir")
-    @classmethod
-    def _absolute(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("backend.shared_dir is empty; give a path every Ray node sees")
-        return os.path.abspath(os.path.expanduser(value))
 
     @field_validator("overrides")
     @classmethod
@@ -55,10 +44,6 @@ class VerlBackend(BaseModel):
                 raise ValueError(f"backend.overrides: {item!r} is not a Hydra override; write key=value "
                                  "(+key=value adds a key, ~key deletes one)")
         return value
-
-    def run_dir(self, pipeline: str, run_key: str, stage: str) -> Path:
-        """`trainer.default_local_dir`: shared_dir/runs/{pipeline}/{run_key}/{stage} (absolute)."""
-        return Path(self.shared_dir) / "runs" / pipeline / run_key / stage
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from omni_core.backends.jobs.job import version_probe
 from omni_core.backends.verl.options import VerlBackend, VerlTraining
 from omni_core.errors import ConfigError
 
@@ -60,15 +61,6 @@ class VerlCommand:
         if not self.module.startswith("verl."):
             return shlex.join(self.argv)
         return f"{shlex.join(version_probe(self.argv[0]))} && {shlex.join(self.argv)}"
-
-
-VERSION_PREFIX = "omni-verl-version="
-
-
-def version_probe(python: str) -> list[str]:
-    """Prints `omni-verl-version=X` into the job's log: the installed distribution's version, read without
-    importing verl (~0.05 s here; an import costs seconds), so the run is tagged without a second job."""
-    return [python, "-c", f"from importlib.metadata import version; print({VERSION_PREFIX!r} + version('verl'))"]
 
 
 def render(training: VerlTraining, backend: VerlBackend, default_local_dir: str | Path) -> VerlCommand:

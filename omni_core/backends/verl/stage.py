@@ -23,7 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omni_core.backends.verl.job import describe_env, runtime_env, submission_id
+from omni_core.backends.jobs.export import planned_model_path
+from omni_core.backends.jobs.job import describe_env, runtime_env, submission_id
 from omni_core.backends.verl.options import VerlBackend, VerlTraining
 from omni_core.backends.verl.render import VerlCommand, render
 from omni_core.errors import ConfigError
@@ -126,21 +127,6 @@ def command(stage: Any, *, pipeline: str, run_key: str, model: str, train_files:
 
 
 # ---- the plan ------------------------------------------------------------------------------------
-
-
-def planned_model_path(uri: str, shared_dir: str, seed: int) -> str:
-    """Where `export.stage_model` puts `uri`, worked out without downloading or building anything."""
-    root = Path(shared_dir) / "models"
-    if uri.startswith("s3://"):
-        return f"{root}/s3/<digest of the objects under {uri}>"
-    if uri.startswith("tiny://"):
-        from omni_core.models.tiny import _recipe_and_builder, digest
-
-        name = uri.removeprefix("tiny://")
-        return str(root / "tiny" / f"{name}-{digest(_recipe_and_builder(name)[0](seed))}")
-    if uri.startswith(("/", "./", "../", "~", "file://")):
-        return str(Path(uri.removeprefix("file://")).expanduser().resolve())
-    return uri
 
 
 def plan(stage: Any, *, pipeline: str, seed: int, dataset: str, split: str, version: str | None,

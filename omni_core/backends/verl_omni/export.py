@@ -21,7 +21,7 @@ Layouts (`RECIPE_LAYOUTS` says which recipe reads which):
 - `dpo_modality` (omni_preference_dpo_multisource.py): `{image,video,audio}/{train,test}.parquet`,
   each modality's media written to `media/` and referenced by absolute path (`images|videos|audios:
   [PATH]`, `extra_info.{modality}_path`).
-Content-addressed as omni_core/backends/verl/export.py is: the manifest records the source version's
+Content-addressed as omni_core/backends/jobs/export.py is: the manifest records the source version's
 manifest digest, the layout and this code's version; a matching export is reused; a new one is
 written in a temporary sibling folder and renamed into place.
 """
@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from omni_core.backends.verl.export import export_files, matching_export, replace_folder
+from omni_core.backends.jobs.export import export_files, matching_export, replace_folder
 from omni_core.backends.verl_omni.catalog import get_recipe
 from omni_core.data.ingest import MANIFEST, load_version
 from omni_core.data.media import MESSAGE

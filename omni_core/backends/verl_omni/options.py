@@ -9,20 +9,23 @@ written here directly, as `omni recipes show` prints them; the stage's own keys 
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
+from omni_core.backends.jobs.options import JobBackendOptions
 from omni_core.backends.verl_omni.render import RecipeOptions
 
 # the keys of `backend:` that are not recipe options
 BACKEND_ONLY = ("name", "recipe", "entry_point", "python", "shared_dir", "entrypoint_resources")
 
 
-class VerlOmniBackend(RecipeOptions):
-    """`backend: {name: verl_omni, recipe: NAME, shared_dir: PATH, ...}`."""
+class VerlOmniBackend(JobBackendOptions, RecipeOptions):
+    """`backend: {name: verl_omni, recipe: NAME, shared_dir: PATH, ...}` (shared_dir, entrypoint_resources:
+    the base's; by default no entry point resources: the recipe's driver only places Ray actors)."""
+
+    decides_stage_keys: ClassVar[bool] = True  # the recipe decides what the stage's keys mean
+    brings_model: ClassVar[bool] = True  # without `model:` the recipe's own model trains
 
     name: Literal["verl_omni"] = "verl_omni"
     recipe: str | None = Field(None, description="A VeRL-Omni recipe (`omni recipes list`).")
@@ -31,18 +34,6 @@ class VerlOmniBackend(RecipeOptions):
                                                       "verl_omni.trainer.main_omni.")
     python: str | None = Field(None, description="The interpreter that has verl-omni on the cluster; default: the "
                                                  "recipe's (python3, the CUDA image's /opt/venv).")
-    shared_dir: str = Field(description="A path every Ray node sees (NFS, Lustre, a PVC; locally any folder): "
-                                        "datasets, models and the recipe's checkpoints are staged under it.")
-    entrypoint_resources: dict[str, float] | None = Field(
-        None, description="Keyword arguments of Ray's submit_job for the entry point (entrypoint_num_cpus, "
-                          "entrypoint_num_gpus); default none: the recipe's driver only places Ray actors.")
-
-    @field_validator("shared_dir")
-    @classmethod
-    def _absolute(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("backend.shared_dir is empty; give a path every Ray node sees")
-        return os.path.abspath(os.path.expanduser(value))
 
     @model_validator(mode="after")
     def _recipe_or_entry_point(self) -> VerlOmniBackend:
@@ -68,6 +59,16 @@ class VerlOmniBackend(RecipeOptions):
         """The recipe options set here (for render.render_recipe)."""
         return self.model_dump(exclude=set(BACKEND_ONLY), exclude_none=True)
 
-    def run_dir(self, pipeline: str, run_key: str, stage: str) -> Path:
-        """shared_dir/runs/{pipeline}/{run_key}/{stage} (absolute); checkpoints in its `checkpoints/`."""
-        return Path(self.shared_dir) / "runs" / pipeline / run_key / stage
+    def dump_stage(self, stage: Any, data: dict[str, Any]) -> dict[str, Any]:
+        """The recipe decides the rest: only what the file set is dumped (and so in the run key)."""
+        given = set(stage.keys_given())
+        if "model" not in stage.model_fields_set:  # the recipe's own model
+            data.pop("model", None)
+        for key in ("num_cpus", "resources"):  # refused when set (backend.nnodes / n_gpus_per_node place it)
+            if key not in stage.model_fields_set:
+                data.pop(key, None)
+        for section in ("algorithm", "trainer", "rollout", "reward", "execution", "checkpoint", "lora"):
+            if isinstance(data.get(section), dict):
+                data[section] = {k: v for k, v in data[section].items()
+                                 if k == "name" and section == "algorithm" or f"{section}.{k}" in given}
+        return data

@@ -19,8 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omni_core.backends.verl.job import describe_env, runtime_env, submission_id
-from omni_core.backends.verl.stage import planned_model_path
+from omni_core.backends.jobs.export import planned_model_path
+from omni_core.backends.jobs.job import describe_env, runtime_env, submission_id
 from omni_core.backends.verl_omni.catalog import Recipe, get_recipe
 from omni_core.backends.verl_omni.export import (
     LAYOUT_CONVERTERS,
@@ -220,14 +220,14 @@ def job_env(command: RecipeCommand, *, tracking_uri: str | None, mlflow_run_id: 
     """The Ray Job's runtime env: `VERL_USE_EXTERNAL_MODULES=verl_omni` (verl's hook that imports verl_omni in
     every worker; the omni scripts export it, the diffusion ones run verl_omni's own entry points and do
     not, it is set for every job), the script's exported variables, MLflow's run and the credentials
-    forwarded by name (omni_core.backends.verl.job.runtime_env)."""
-    env = runtime_env(command, tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id)  # type: ignore[arg-type]
+    forwarded by name (omni_core.backends.jobs.job.runtime_env)."""
+    env = runtime_env(command, tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id)
     return {**env, "env_vars": {EXTERNAL_MODULES: "verl_omni", **env["env_vars"]}}
 
 
 def plan(stage: Any, *, pipeline: str, seed: int, dataset: str, converter: str | None, version: str | None,
          splits: list[str] | None, run_key: str | None, tracking_uri: str | None, ray_address: str) -> dict[str, Any]:
-    """What the stage would do, without doing it (see omni_core.backends.verl.stage.plan)."""
+    """What the stage would do, without doing it (as backend verl plans its job)."""
     backend: VerlOmniBackend = stage.backend
     version_text = version or "<version>"
     key = run_key or "<run_key>"

@@ -15,13 +15,12 @@ where a resumed training picks up.
 
 from __future__ import annotations
 
-import queue
-import threading
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from omni_core.config import RayConfig, RLStage
+from omni_core.backends import TrainingRun
+from omni_core.config import RLStage
+from omni_core.config.backends import DEFAULT_BACKEND, backend_name, backend_of
 from omni_core.config.models import ModelFrom
 from omni_core.data import DatasetVersion, load_version
 from omni_core.errors import ConfigError
@@ -31,49 +30,11 @@ from omni_core.lineage.training import log_training_result, log_training_start
 from omni_core.pipeline.report import curve_png
 from omni_core.pipeline.stages import register_stage
 from omni_core.pipeline.stages.build_images import upstream_images
-from omni_core.pipeline.watch import StepWatcher
 from omni_core.storage import file_sha256
-from omni_core.training import ensure_ray, rl_run_key, run_rl_stage
+from omni_core.training import rl_run_key
 from omni_core.training.checkpoint import LATEST, MANIFEST, checkpoint_prefix, stage_prefix
 
-STEP_METRIC = "timing_s/step"  # every algorithm logs it once per step
 REWARD_METRICS = ("critic/score/mean", "actor/reward_margin", "actor/reward_accuracy")  # first one found
-
-# Ray ties its processes to the thread that starts it (prctl PDEATHSIG): started from a task runner's
-# worker thread, it would die when that pool shuts down at the end of a flow run. So it is started
-# from the main thread, or from a daemon thread that lives until the process ends (not joined at exit,
-# so Ray's own atexit shutdown still finds its processes alive).
-_ray_calls: queue.Queue[tuple[Future, RayConfig]] = queue.Queue()
-_ray_owner_lock = threading.Lock()
-_ray_owner: list[threading.Thread] = []
-
-
-def _own_ray() -> None:
-    while True:
-        future, config = _ray_calls.get()
-        try:
-            ensure_ray(config)
-            future.set_result(None)
-        except BaseException as exc:  # handed to the caller
-            future.set_exception(exc)
-
-
-def start_ray(config: RayConfig) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    if threading.current_thread() is threading.main_thread():
-        ensure_ray(config)
-        return
-    with _ray_owner_lock:
-        if not _ray_owner:
-            _ray_owner.append(threading.Thread(target=_own_ray, name="omni-ray-owner", daemon=True))
-            _ray_owner[0].start()
-    future: Future = Future()
-    _ray_calls.put((future, config))
-    future.result()
-
 
 def data_split(stage: RLStage) -> tuple[str, str]:
     key, _, split = stage.data.partition(":")
@@ -201,29 +162,25 @@ def save_reward_curve(ctx: Any, run_id: str | None) -> dict[str, Any] | None:
 
 
 def run_rl(ctx: Any) -> dict[str, Any]:
-    if ctx.stage.backend != "native":
-        return run_verl(ctx)
+    """Train the stage on its backend (omni_core.backends: native, verl, verl_omni, or a plugin's), then
+    the same outputs, tags, logged model and reward curve whichever backend trained it."""
     stage = resolved_stage(ctx)
     key, split, dv = input_dataset(ctx)
     log_training_start(ctx.tracker, ctx.mlflow_run_id, stage, ctx.config.seed, dv, split)
+    run_key = rl_run_key(stage, ctx.config.seed, dv.version)
     if ctx.force:  # train again on purpose: without the pointer the committed checkpoint is not found
-        root = stage_prefix(ctx.config.name, rl_run_key(stage, ctx.config.seed, dv.version), stage.name)
+        root = stage_prefix(ctx.config.name, run_key, stage.name)
         ctx.progress(f"stage {stage.name}: --force: training again (uncommitting {root}/{LATEST})")
         ctx.store.delete(f"{root}/{LATEST}")
-    start_ray(ctx.config.ray)
     total = stage.trainer.total_steps
     ctx.on_step(0, total)
-    with StepWatcher(ctx.tracker.tracking_uri, ctx.mlflow_run_id, STEP_METRIC,
-                     lambda step: ctx.on_step(min(step, total), total)):
-        result = run_rl_stage(
-            pipeline=ctx.config.name, stage=stage, seed=ctx.config.seed, store=ctx.store,
-            shard_keys=dv.shard_keys(split), dataset_version=dv.version, ray_config=ctx.config.ray,
-            tracking_uri=ctx.tracker.tracking_uri, mlflow_run_id=ctx.mlflow_run_id, progress=ctx.progress,
-        )
+    result = backend_of(stage).run(TrainingRun(ctx, stage, key, split, dv, run_key))
     ctx.on_step(total, total)
     outputs = {"run_key": result.run_key, "global_step": result.global_step, "checkpoint_uri": result.checkpoint_uri,
                "weights_sha256": result.weights_sha256, "dataset_version": dv.version,
                "final_metrics": result.final_metrics, "reused": result.reused}
+    if (name := backend_name(stage.backend)) != DEFAULT_BACKEND:
+        outputs["backend"] = name
     image_tags(ctx)
     model_from_tags(ctx)
     outputs["model_id"] = log_training_result(
@@ -238,65 +195,13 @@ def run_rl(ctx: Any) -> dict[str, Any]:
     return outputs
 
 
-def run_verl(ctx: Any) -> dict[str, Any]:
-    """The stage on verl (omni_core.backends.verl.runner) or a VeRL-Omni recipe
-    (omni_core.backends.verl_omni.runner): a Ray Job on ray.address, then the same outputs, tags and
-    logged model as a native training."""
-    import tempfile
-
-    from omni_core.training.ray_stage import RLStageResult, _weights_digest
-
-    if ctx.stage.backend.name == "verl_omni":  # a VeRL-Omni recipe through the same job machinery
-        from omni_core.backends.verl_omni.runner import run_verl_omni_stage as run_verl_stage
-    else:
-        from omni_core.backends.verl.runner import run_verl_stage
-
-    stage = resolved_stage(ctx)
-    key, split, dv = input_dataset(ctx)
-    log_training_start(ctx.tracker, ctx.mlflow_run_id, stage, ctx.config.seed, dv, split)
-    run_key = rl_run_key(stage, ctx.config.seed, dv.version)
-    if ctx.force:
-        root = stage_prefix(ctx.config.name, run_key, stage.name)
-        ctx.progress(f"stage {stage.name}: --force: training again (uncommitting {root}/{LATEST})")
-        ctx.store.delete(f"{root}/{LATEST}")
-    total = stage.trainer.total_steps
-    ctx.on_step(0, total)
-    with tempfile.TemporaryDirectory(prefix="omni-verl-log-") as logs:
-        manifest = run_verl_stage(
-            pipeline=ctx.config.name, stage=stage, seed=ctx.config.seed, store=ctx.store, dataset=key,
-            version=dv.version, split=split, run_key=run_key, ray_address=ctx.config.ray.address,
-            tracking_uri=ctx.tracker.tracking_uri, mlflow_run_id=ctx.mlflow_run_id, tracker=ctx.tracker,
-            progress=ctx.progress, on_step=ctx.on_step, log_dir=logs)
-    ctx.on_step(total, total)
-    metrics = {} if manifest["reused"] else dict(ctx.tracker.client.get_run(ctx.mlflow_run_id).data.metrics)
-    result = RLStageResult(run_key, manifest["global_step"], manifest["uri"], _weights_digest(manifest), metrics,
-                           manifest["reused"])
-    outputs = {"run_key": run_key, "global_step": result.global_step, "checkpoint_uri": result.checkpoint_uri,
-               "weights_sha256": result.weights_sha256, "dataset_version": dv.version,
-               "final_metrics": metrics, "reused": result.reused, "backend": stage.backend.name}
-    image_tags(ctx)
-    model_from_tags(ctx)
-    outputs["model_id"] = log_training_result(
-        ctx.tracker, ctx.mlflow_run_id, pipeline=ctx.config.name, experiment=ctx.config.name, stage=stage,
-        seed=ctx.config.seed, dataset=f"{key}@{dv.version}:{split}", result=result)
-    if result.reused:
-        found = checkpoint_models(ctx.tracker, ctx.config.name, run_key)
-        outputs["model_id"] = found[0].model_id if found else None
-    return outputs
-
-
-def verl_retries(stage: Any) -> tuple[int, list[float]] | None:
-    """A verl stage's failed try (a killed trainer, a lost node) is retried `execution.max_failures`
-    times, `execution.retry_backoff_s` apart (doubling): each retry resubmits the Ray Job as
-    `-attempt-N`, which resumes from the last mirrored checkpoint. A native stage restarts its own
-    actors `max_failures` times inside one try (omni_core.training.runner): its kind's retries apply."""
-    if getattr(stage, "backend", "native") == "native":
-        return None
-    execution = stage.execution
-    return execution.max_failures, [execution.retry_backoff_s * 2 ** i for i in range(execution.max_failures)]
+def backend_retries(stage: Any) -> tuple[int, list[float]] | None:
+    """How the stage's backend has a failed try retried (a job backend: resubmitted, resuming from the
+    mirrored checkpoint); None: the kind's own retries (the native trainer restarts its actors itself)."""
+    return backend_of(stage).retries(stage)
 
 
 for _kind in ("rl", "sft"):  # one runner; the algorithm record decides what trains
     register_stage(_kind, version="1", retries=1, retry_delay_s=5.0, inputs=rl_inputs, digest=weights,
                    verify=checkpoint_committed, reuse=log_reused, reads=lambda stage: [data_split(stage)[0]],
-                   volatile_config=frozenset({"num_cpus"}), retry_plan=verl_retries)(run_rl)
+                   volatile_config=frozenset({"num_cpus"}), retry_plan=backend_retries)(run_rl)

@@ -50,8 +50,8 @@ def build_flow_grpo_trainer(stage: Any, rows: list[dict[str, Any]], seed: int, *
 
 
 register_algorithm(Algorithm(
-    name="flow_grpo", options=FlowGRPOOptions, trainer=build_flow_grpo_trainer, data=DIFFUSION_PROMPTS,
-    model_kind=DIFFUSION_MODEL,
+    name="flow_grpo", options=FlowGRPOOptions, trainer=f"{__name__}:build_flow_grpo_trainer",
+    data=DIFFUSION_PROMPTS, model_kind=DIFFUSION_MODEL,
     stage_keys={"trainer": ("total_steps", "batch_size", "lr", "max_grad_norm", "ppo_epochs"), "rollout": ("n",),
                 "reward": ("name",)},
     defaults={"trainer.lr": 3e-4, "trainer.batch_size": 2, "reward.name": "jpeg_compressibility"},

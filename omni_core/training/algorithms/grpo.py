@@ -49,7 +49,8 @@ def build_grpo_trainer(stage: Any, rows: list[dict[str, Any]], seed: int, *, mod
 
 
 GRPO = register_algorithm(Algorithm(
-    name="grpo", options=PolicyGradientOptions, trainer=build_grpo_trainer, data=PROMPTS, model_kind=LANGUAGE_MODEL,
+    name="grpo", options=PolicyGradientOptions, trainer=f"{__name__}:build_grpo_trainer", data=PROMPTS,
+    model_kind=LANGUAGE_MODEL, more_names="omni_core.algorithms.policy_loss:policy_loss_names",
     separate_async=True, stage_keys={"trainer": ALL, "rollout": ALL, "reward": ALL},
     progress=(("critic/score/mean", "score"), ("actor/pg_loss", "pg_loss"), ("response_length/mean", "len")),
 ), "gspo")

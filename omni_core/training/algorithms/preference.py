@@ -85,7 +85,8 @@ _TRAINER_KEYS = ("total_steps", "batch_size", "lr", "max_grad_norm")
 _DEFAULTS = {"trainer.lr": 1e-3, "trainer.batch_size": 8}
 for _name in ("dpo", "mpo"):
     register_algorithm(Algorithm(
-        name=_name, options=PreferenceOptions, trainer=build_preference_trainer, data=PAIRS, model_kind=LANGUAGE_MODEL,
+        name=_name, options=PreferenceOptions, trainer=f"{__name__}:build_preference_trainer", data=PAIRS,
+        model_kind=LANGUAGE_MODEL,
         stage_keys={"trainer": _TRAINER_KEYS}, defaults=_DEFAULTS,
         progress=((f"actor/{_name}_loss", "loss"), ("actor/reward_accuracy", "reward_acc"),
                   ("actor/reward_margin", "margin"))))

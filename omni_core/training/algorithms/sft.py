@@ -37,7 +37,8 @@ def build_sft_trainer(stage: Any, rows: list[dict[str, Any]], seed: int, *, mode
 
 
 register_algorithm(Algorithm(
-    name="sft", options=SFTOptions, trainer=build_sft_trainer, data=SUPERVISED, model_kind=LANGUAGE_MODEL,
+    name="sft", options=SFTOptions, trainer=f"{__name__}:build_sft_trainer", data=SUPERVISED,
+    model_kind=LANGUAGE_MODEL,
     stage_keys={"trainer": ("total_steps", "batch_size", "lr", "max_grad_norm", "max_prompt_tokens")},
     defaults={"trainer.lr": 3e-3, "trainer.batch_size": 32},
     progress=(("train/loss", "loss"), ("train/grad_norm", "grad_norm")),

@@ -1,4 +1,5 @@
-"""verl's checkpoints on the shared path <-> our checkpoint layout in the store.
+"""A trainer's checkpoints on the shared path <-> our checkpoint layout in the store (both external
+backends: their trainers are verl's, which writes checkpoints this way).
 
 verl writes `{default_local_dir}/global_step_N/` and then moves `latest_checkpointed_iteration.txt`
 to N: a folder at or below the latest step is complete, one above it is still being written.
@@ -11,6 +12,8 @@ to N: a folder at or below the latest step is complete, one above it is still be
   checkpoints (a new cluster) gets the latest mirrored one back; a `global_step_N` folder without the
   latest file (verl #7952: async save never writes it, and verl then silently restarts from step 0)
   is repaired from the mirror, or refused with a CheckpointError when there is none.
+- `upload_file`: one file into a checkpoint folder of the store, as its manifest entry (what a
+  backend adds to a mirrored checkpoint after the job: a merged model, an exported adapter).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def mirror_new(run_dir: str | Path, store: Store, stage_root: str, *, keep: int 
         folder = Path(run_dir) / f"global_step_{step}"
         rels = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
         with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
-            entries = list(pool.map(partial(_upload, store, folder, prefix), rels))
+            entries = list(pool.map(partial(upload_file, store, folder, prefix), rels))
         manifest = {"global_step": step, "uri": store.uri(prefix), "source": "verl", "files": entries,
                     **(metadata or {})}
         store.write_json(f"{prefix}/{MANIFEST}", manifest)  # the commit point
@@ -90,8 +93,8 @@ def mirror_new(run_dir: str | Path, store: Store, stage_root: str, *, keep: int 
     return done
 
 
-def _upload(store: Store, folder: Path, prefix: str, rel: str) -> dict[str, Any]:
-    """One file: the store's parallel multipart upload (Store.put_file: boto3's managed transfer on S3,
+def upload_file(store: Store, folder: Path, prefix: str, rel: str) -> dict[str, Any]:
+    """One file `folder/rel` to `prefix/rel`, returned as its manifest entry (path, sha256, bytes): the store's parallel multipart upload (Store.put_file: boto3's managed transfer on S3,
     bench/verl_launcher.py) while its sha256 is computed beside it (a committed verl step does not change)."""
     path = folder / rel
     with ThreadPoolExecutor(1) as hasher:

@@ -1,5 +1,6 @@
-"""The verl command as a Ray Job: submitted with Ray's `JobSubmissionClient` to the cluster's job
-server (`ray.address`, the dashboard URL), followed until it ends.
+"""A trainer's command as a Ray Job (both external backends: verl's trainers, VeRL-Omni's recipes):
+submitted with Ray's `JobSubmissionClient` to the cluster's job server (`ray.address`, the dashboard
+URL), followed until it ends.
 
 - The submission id is deterministic (`submission_id`): a resubmission of the same training finds
   the pending, running or finished job instead of starting another; after a FAILED or STOPPED one
@@ -8,12 +9,8 @@ server (`ray.address`, the dashboard URL), followed until it ends.
   MLflow run (verl's own `mlflow` logger then writes into it), and the credentials the job needs,
   forwarded by name from the driver's environment (never written to a pipeline file, a manifest or
   MLflow; `describe_env` shows them redacted).
-- Entry point resources: `torchrun -m verl.trainer.sft_trainer` trains in the entrypoint's own
-  processes, so an sft job asks for the node's GPUs (`entrypoint_num_gpus`; `entrypoint_resources`).
-  Without any entrypoint resources Ray sets RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 on the
-  entrypoint (ray job_manager.py), and verl's Worker then looks its device up in Ray's accelerator
-  ids of a process that has none (KeyError / IndexError, seen in the CPU test). main_ppo's driver
-  only places Ray actors, which ask for their own GPUs.
+- Entry point resources are the backend's to choose (`submit(resources=...)`; backend verl's
+  `entrypoint_resources` says why an sft job asks for the node's GPUs).
 - `follow` polls the job's log: new lines go to a log file (kept as an artifact), verl's
   `step:N - ...` lines become progress ("step N of M"), and `on_poll` (the checkpoint mirror) runs
   between polls and once more at the end.
@@ -25,6 +22,8 @@ server (`ray.address`, the dashboard URL), followed until it ends.
   there): the flow then calls `stop_followed()`, which stops every job this process follows and
   waits for STOPPED; the task thread's `follow` raises `JobCancelled` (an OmniError, so the stage is
   not retried and no `-attempt-N` is submitted).
+- Helper jobs (a model merger, an adapter export after the training) run through `run_helper_job`:
+  resubmitted under the same id after a failed one, followed like the training.
 """
 
 from __future__ import annotations
@@ -36,9 +35,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from omni_core.backends.verl.render import VerlCommand
 from omni_core.errors import OmniError
 
 ACTIVE = ("PENDING", "RUNNING", "SUCCEEDED")
@@ -57,9 +55,21 @@ TAIL_CHARS = 2000
 _ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
 STOP_WAIT_S = 60.0  # Ray SIGTERMs the entrypoint's process group, SIGKILLs it after RAY_JOB_STOP_WAIT_TIME_S (3 s)
 
+VERSION_PREFIX = "omni-verl-version="  # the line `version_probe` prints into a job's log
+
 _following: dict[str, Any] = {}  # submission id -> client: the jobs this process is following
 _cancelled: set[str] = set()  # ... and those stop_followed stopped
 _lock = threading.Lock()
+
+
+class JobCommand(Protocol):
+    """What a backend submits: the shell entry point and the environment variables it needs."""
+
+    @property
+    def entrypoint(self) -> str: ...
+
+    @property
+    def env(self) -> dict[str, str]: ...
 
 
 class JobCancelled(OmniError):
@@ -73,13 +83,19 @@ class VerlJob:
     status: str
 
 
+def version_probe(python: str) -> list[str]:
+    """Prints `omni-verl-version=X` into the job's log: the installed distribution's version, read without
+    importing verl (~0.05 s here; an import costs seconds), so the run is tagged without a second job."""
+    return [python, "-c", f"from importlib.metadata import version; print({VERSION_PREFIX!r} + version('verl'))"]
+
+
 def submission_id(pipeline: str, stage: str, run_key: str, attempt: int = 1) -> str:
     """The Ray submission id of one training (the same run key gives the same id)."""
     base = _ID_CHARS.sub("-", f"omni-verl-{pipeline}-{stage}-{run_key}")
     return base if attempt == 1 else f"{base}-attempt-{attempt}"
 
 
-def runtime_env(command: VerlCommand, *, tracking_uri: str | None = None, mlflow_run_id: str | None = None,
+def runtime_env(command: JobCommand, *, tracking_uri: str | None = None, mlflow_run_id: str | None = None,
                 forward: tuple[str, ...] = FORWARDED_ENV, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     environ = os.environ if environ is None else environ
     env_vars = dict(command.env)
@@ -104,12 +120,7 @@ def job_status(client: Any, job_id: str) -> str | None:
         return None
 
 
-def entrypoint_resources(command: VerlCommand, n_gpus_per_node: int) -> dict[str, float]:
-    """`submit_job` keyword arguments for the entry point's own resources (module docstring)."""
-    return {"entrypoint_num_gpus": n_gpus_per_node} if command.module.endswith("sft_trainer") else {}
-
-
-def submit(client: Any, command: VerlCommand, *, pipeline: str, stage: str, run_key: str, env: dict[str, Any],
+def submit(client: Any, command: JobCommand, *, pipeline: str, stage: str, run_key: str, env: dict[str, Any],
            resources: dict[str, float] | None = None) -> VerlJob:
     """Submit `command` unless a job of this training is pending, running or done (then return it).
     `resources`: entrypoint_num_gpus / entrypoint_num_cpus (see `entrypoint_resources`)."""
@@ -125,10 +136,22 @@ def submit(client: Any, command: VerlCommand, *, pipeline: str, stage: str, run_
         attempt += 1  # FAILED or STOPPED
 
 
+def run_helper_job(client: Any, entry: str, job_id: str, env: dict[str, Any], poll_s: float = 1.0) -> tuple[str, str]:
+    """Run `entry` as Ray Job `job_id` after a training (resubmitted under the same id after a failed or
+    stopped one, found when it is pending, running or done) and follow it; (final status, its log)."""
+    status = job_status(client, job_id)
+    if status in (None, "FAILED", "STOPPED"):
+        if status is not None:
+            client.delete_job(job_id)
+        client.submit_job(entrypoint=entry, submission_id=job_id, runtime_env=env, entrypoint_num_cpus=1)
+    status = follow(client, job_id, total_steps=0, progress=lambda _: None, poll_s=poll_s)
+    return status, client.get_job_logs(job_id)
+
 
 def log_tail(log: str, chars: int = TAIL_CHARS) -> str:
     """The end of a job's log for an error message: the job's own last output, without Ray's header line."""
     return RAY_HEADER.sub("", log)[-chars:]
+
 
 def follow(client: Any, job_id: str, *, total_steps: int, progress: Callable[[str], None] = print,
            on_poll: Callable[[], Any] | None = None, log_path: str | Path | None = None, poll_s: float = 1.0,

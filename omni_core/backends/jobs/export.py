@@ -191,3 +191,18 @@ def stage_model(uri: str, shared_dir: str | Path, *, seed: int = 0) -> str:
             raise ModelError(f"model {uri!r}: {local} is not a save_pretrained folder (no config.json)")
         return str(local.resolve())
     return uri  # a hub id: verl's nodes download it
+
+
+def planned_model_path(uri: str, shared_dir: str, seed: int) -> str:
+    """Where `export.stage_model` puts `uri`, worked out without downloading or building anything."""
+    root = Path(shared_dir) / "models"
+    if uri.startswith("s3://"):
+        return f"{root}/s3/<digest of the objects under {uri}>"
+    if uri.startswith("tiny://"):
+        from omni_core.models.tiny import _recipe_and_builder, digest
+
+        name = uri.removeprefix("tiny://")
+        return str(root / "tiny" / f"{name}-{digest(_recipe_and_builder(name)[0](seed))}")
+    if uri.startswith(("/", "./", "../", "~", "file://")):
+        return str(Path(uri.removeprefix("file://")).expanduser().resolve())
+    return uri

@@ -1,0 +1,92 @@
+"""Backend `native` (the default): our trainer on Ray (omni_core.training: rollout, reward and trainer
+actors, checkpoints, restarts inside one try). Written `backend: native`, or left out."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from omni_core.backends import PlannedTraining, TrainingRun
+from omni_core.config.backends import DEFAULT_BACKEND, BackendRecord, register_backend
+
+STEP_METRIC = "timing_s/step"  # every algorithm logs it once per step
+
+# Ray ties its processes to the thread that starts it (prctl PDEATHSIG): started from a task runner's
+# worker thread, it would die when that pool shuts down at the end of a flow run. So it is started
+# from the main thread, or from a daemon thread that lives until the process ends (not joined at exit,
+# so Ray's own atexit shutdown still finds its processes alive).
+_ray_calls: queue.Queue[tuple[Future, Any]] = queue.Queue()
+_ray_owner_lock = threading.Lock()
+_ray_owner: list[threading.Thread] = []
+
+
+def _own_ray() -> None:
+    from omni_core.training import ensure_ray
+
+    while True:
+        future, config = _ray_calls.get()
+        try:
+            ensure_ray(config)
+            future.set_result(None)
+        except BaseException as exc:  # handed to the caller
+            future.set_exception(exc)
+
+
+def start_ray(config: Any) -> None:
+    """Ray for the pipeline's `ray:` config, started from a thread that outlives the caller's."""
+    import ray
+
+    from omni_core.training import ensure_ray
+
+    if ray.is_initialized():
+        return
+    if threading.current_thread() is threading.main_thread():
+        ensure_ray(config)
+        return
+    with _ray_owner_lock:
+        if not _ray_owner:
+            _ray_owner.append(threading.Thread(target=_own_ray, name="omni-ray-owner", daemon=True))
+            _ray_owner[0].start()
+    future: Future = Future()
+    _ray_calls.put((future, config))
+    future.result()
+
+
+class NativeBackend:
+    name = DEFAULT_BACKEND
+
+    def check(self, stage: Any, config: Any) -> str | None:
+        return None  # the algorithm's own checks (omni_core.config.models) are all a native stage needs
+
+    def plan(self, planned: PlannedTraining) -> dict[str, Any]:
+        stage, config = planned.stage, planned.config
+        return {"backend": self.name, "does": f"trains {stage.algorithm.name} with our trainer on Ray "
+                f"({config.ray.address}) for {stage.trainer.total_steps} steps on {planned.data} from {planned.model}"}
+
+    def run(self, run: TrainingRun) -> Any:
+        from omni_core.pipeline.watch import StepWatcher
+        from omni_core.training import run_rl_stage
+
+        ctx, stage = run.ctx, run.stage
+        start_ray(ctx.config.ray)
+        total = stage.trainer.total_steps
+        with StepWatcher(ctx.tracker.tracking_uri, ctx.mlflow_run_id, STEP_METRIC,
+                         lambda step: ctx.on_step(min(step, total), total)):
+            return run_rl_stage(
+                pipeline=ctx.config.name, stage=stage, seed=ctx.config.seed, store=ctx.store,
+                shard_keys=run.version.shard_keys(run.split), dataset_version=run.version.version,
+                ray_config=ctx.config.ray, tracking_uri=ctx.tracker.tracking_uri, mlflow_run_id=ctx.mlflow_run_id,
+                progress=ctx.progress)
+
+    def cancel(self) -> dict[str, str | None]:
+        return {}  # its Ray actors live in this process's Ray job: they end with it
+
+    def retries(self, stage: Any) -> tuple[int, list[float]] | None:
+        return None  # it restarts its own actors `max_failures` times inside one try: the kind's retries apply
+
+
+BACKEND = NativeBackend()
+register_backend(BackendRecord(name=DEFAULT_BACKEND, options=None, implementation=f"{__name__}:BACKEND",
+                               description="our trainer on Ray"))
