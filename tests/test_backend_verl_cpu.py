@@ -20,9 +20,9 @@ from mlflow import MlflowClient
 from mlflow_server import MlflowServer, mlflow_server  # noqa: F401  (fixture)
 from verl_env import verl_python
 
-from omni_core.backends.verl import VerlBackend, VerlTraining, render
 from omni_core.backends.jobs.export import export_dataset, stage_model
 from omni_core.backends.jobs.mirror import mirror_new, prepare_resume
+from omni_core.backends.verl import VerlBackend, VerlTraining, render
 from omni_core.config import DatasetConfig
 from omni_core.data import ingest
 from omni_core.storage import Store

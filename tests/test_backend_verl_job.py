@@ -23,7 +23,6 @@ from mlflow import MlflowClient
 from test_backend_verl_cpu import CPU_ENV, CPU_OVERRIDES
 from verl_env import verl_python
 
-from omni_core.backends.verl import VerlBackend, VerlCommand, VerlTraining, render
 from omni_core.backends.jobs.export import export_dataset, stage_model
 from omni_core.backends.jobs.job import (
     describe_env,
@@ -35,6 +34,7 @@ from omni_core.backends.jobs.job import (
     submit,
 )
 from omni_core.backends.jobs.mirror import mirror_new
+from omni_core.backends.verl import VerlBackend, VerlCommand, VerlTraining, render
 from omni_core.config import DatasetConfig
 from omni_core.data import ingest
 from omni_core.storage import Store

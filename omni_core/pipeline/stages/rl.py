@@ -31,8 +31,6 @@ from omni_core.pipeline.report import curve_png
 from omni_core.pipeline.stages import register_stage
 from omni_core.pipeline.stages.build_images import upstream_images
 from omni_core.storage import file_sha256
-from omni_core.training import rl_run_key
-from omni_core.training.checkpoint import LATEST, MANIFEST, checkpoint_prefix, stage_prefix
 
 REWARD_METRICS = ("critic/score/mean", "actor/reward_margin", "actor/reward_accuracy")  # first one found
 
@@ -102,6 +100,8 @@ def weights(outputs: dict[str, Any]) -> dict[str, Any]:
 
 
 def checkpoint_committed(ctx: Any, outputs: dict[str, Any]) -> bool:
+    from omni_core.training.checkpoint import MANIFEST, checkpoint_prefix, stage_prefix
+
     root = stage_prefix(ctx.config.name, outputs["run_key"], ctx.stage.name)
     return ctx.store.exists(f"{checkpoint_prefix(root, outputs['global_step'])}/{MANIFEST}")
 
@@ -164,6 +164,9 @@ def save_reward_curve(ctx: Any, run_id: str | None) -> dict[str, Any] | None:
 def run_rl(ctx: Any) -> dict[str, Any]:
     """Train the stage on its backend (omni_core.backends: native, verl, verl_omni, or a plugin's), then
     the same outputs, tags, logged model and reward curve whichever backend trained it."""
+    from omni_core.training import rl_run_key
+    from omni_core.training.checkpoint import LATEST, stage_prefix
+
     stage = resolved_stage(ctx)
     key, split, dv = input_dataset(ctx)
     log_training_start(ctx.tracker, ctx.mlflow_run_id, stage, ctx.config.seed, dv, split)
