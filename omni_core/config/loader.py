@@ -138,7 +138,7 @@ def _format_error(err: dict[str, Any], data: dict[str, Any]) -> str:
         return f"{'.'.join(parts)}.kind: unknown stage kind {err['ctx'].get('tag')!r} (known: {expected})"
     if err["type"] == "extra_forbidden":
         message = "unknown key (remove it or check its spelling)"
-    elif err["type"] not in ("missing", "value_error") and "input" in err:
+    elif err["type"] not in ("missing", "value_error", "unknown_stage_kind") and "input" in err:
         message += f" (got {err['input']!r})"
     return f"{'.'.join(parts) or 'pipeline'}: {message}"
 

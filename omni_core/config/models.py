@@ -1,7 +1,8 @@
 """Pydantic models of a pipeline file. They are the source of truth for what a pipeline may say.
 
 Every model forbids unknown keys, so a typo fails before anything runs, naming the key.
-Stage models are discriminated by `kind`. The `algorithm:` and `backend:` sections of a training
+Stage models are picked by `kind` from the stage-kind table (`register_stage_config`: the built-in
+kinds below, a plugin's own kinds beside them). The `algorithm:` and `backend:` sections of a training
 stage are parsed through tables that plugins fill (omni_core.config.algorithms, .backends): nothing
 here names an algorithm or a backend besides the default one, and nothing here imports a trainer or
 a backend's code.
@@ -13,17 +14,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ByteSize,
     ConfigDict,
     Field,
     SerializeAsAny,
     SerializerFunctionWrapHandler,
+    ValidationError,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_serializer,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from omni_core.config.algorithms import (
     ALL,
@@ -46,6 +50,7 @@ from omni_core.config.backends import (
     describe_backends,
     parse_backend,
 )
+from omni_core.registry import Registry
 
 
 class Strict(BaseModel):
@@ -532,8 +537,49 @@ def _upstream_problem(config: Any, name: str, field: str, chosen: str | None, ki
     return f"{where}.{field}: '{chosen}' is not upstream of {name}; add it to {name}'s after: list"
 
 
-AnyStage = IngestStage | BuildImagesStage | RLStage | EvalStage | RegisterStage
-Stage = Annotated[AnyStage, Field(discriminator="kind")]
+AnyStage = IngestStage | BuildImagesStage | RLStage | EvalStage | RegisterStage  # the built-in kinds
+
+_STAGE_CONFIGS: Registry[type[StageBase]] = Registry(
+    "stage kind", hint="register its config model with register_stage_config and its runner with register_stage "
+                       "(README: Extending)")
+
+
+def register_stage_config(model: type[StageBase], *kinds: str) -> type[StageBase]:
+    """Register the config model of a stage kind: `kinds`, else the default of its `kind` field."""
+    for kind in kinds or (model.model_fields["kind"].default,):
+        _STAGE_CONFIGS.add(kind, model)
+    return model
+
+
+def stage_kinds() -> list[str]:
+    return _STAGE_CONFIGS.names()
+
+
+def _parse_stage(value: Any) -> Any:
+    """A stage as written -> its kind's config model (an error on `kind` names the known kinds)."""
+    if not isinstance(value, dict):
+        return value
+    kind = value.get("kind")
+    if kind not in _STAGE_CONFIGS:
+        known = ", ".join(repr(k) for k in stage_kinds())
+        problem = f"unknown stage kind {kind!r} (known: {known})" if kind is not None else f"missing (known: {known})"
+        raise ValidationError.from_exception_data("stage", [InitErrorDetails(
+            type=PydanticCustomError("unknown_stage_kind", "{message}", {"message": problem}),
+            loc=("kind",), input=kind)])
+    return _STAGE_CONFIGS[kind].model_validate(value)
+
+
+def _describe_stages(schema: dict[str, Any]) -> None:
+    schema["description"] = f"A stage: `name`, `kind` ({', '.join(stage_kinds())}) and the kind's keys."
+
+
+# For forms (the Prefect UI): a stage is `name` and `kind` plus its kind's keys, checked when the pipeline loads.
+_STAGE_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "kind": {"type": "string"}},
+                 "required": ["name", "kind"], "additionalProperties": True, "title": "Stage"}
+Stage = Annotated[SerializeAsAny[StageBase], BeforeValidator(_parse_stage), WithJsonSchema(_STAGE_SCHEMA)]
+for _model in (IngestStage, BuildImagesStage, EvalStage, RegisterStage):
+    register_stage_config(_model)
+register_stage_config(RLStage, *TRAINING_KINDS)
 
 
 class PipelineConfig(Strict):
@@ -543,7 +589,7 @@ class PipelineConfig(Strict):
     ray: RayConfig = Field(default_factory=RayConfig)
     seed: int = 0
     datasets: dict[str, DatasetConfig] = Field(default_factory=dict)
-    stages: list[Stage] = Field(min_length=1)
+    stages: list[Stage] = Field(min_length=1, json_schema_extra=_describe_stages)
 
     @model_validator(mode="after")
     def _check_references(self) -> PipelineConfig:
