@@ -26,7 +26,6 @@ from verl_env import verl_python
 from omni_core.backends.jobs.export import export_dataset, stage_model
 from omni_core.backends.jobs.job import (
     describe_env,
-    entrypoint_resources,
     follow,
     runtime_env,
     stop,
@@ -35,6 +34,7 @@ from omni_core.backends.jobs.job import (
 )
 from omni_core.backends.jobs.mirror import mirror_new
 from omni_core.backends.verl import VerlBackend, VerlCommand, VerlTraining, render
+from omni_core.backends.verl.runner import entrypoint_resources
 from omni_core.config import DatasetConfig
 from omni_core.data import ingest
 from omni_core.storage import Store
