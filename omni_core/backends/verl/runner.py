@@ -1,6 +1,7 @@
-"""An `sft` / `rl` stage with `backend: verl`, run through the shared skeleton (omni_core.backends.jobs.runner):
-stage the inputs on the shared path, submit verl's command as a Ray Job, follow it while mirroring its
-checkpoints to the store, then commit the final model as our checkpoint.
+"""An `sft` / `rl` stage with `backend: verl`, run through the shared skeleton
+(omni_core.backends.jobs.runner): stage the inputs on the shared path, submit verl's command as a Ray
+Job, follow it while mirroring its checkpoints to the store, then commit the final model as our
+checkpoint.
 
 1. The dataset version is exported (jobs.export.export_dataset, content-addressed) and the model staged
    (jobs.export.stage_model) under `backend.shared_dir`.
@@ -36,7 +37,6 @@ from omni_core.backends.jobs.runner import (
     MERGED,
     VERSION_LINE,
     FinishedJob,
-    JobError,
     JobInputs,
     PreparedJob,
     Timed,
@@ -49,7 +49,6 @@ from omni_core.backends.verl.stage import command, layout, response_field
 from omni_core.errors import ConfigError
 
 HF_DIR = "huggingface"  # verl's own Hugging Face save (checkpoint.save_contents with hf_model)
-VerlJobError = JobError  # the name this module gave it before the job machinery was shared
 
 
 def entrypoint_resources(command: VerlCommand, n_gpus_per_node: int) -> dict[str, float]:
