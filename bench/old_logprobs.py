@@ -40,7 +40,7 @@ def run_pair(algorithm: str, setup: Any, model: Any, tokenizer: Any, rows: list[
     trainers = {}
     for path in ("reused", "recomputed"):
         trainer = GRPOTrainer(setup.stage(algorithm), rows, setup.seed, model=copy.deepcopy(model),
-                              tokenizer=tokenizer)
+                              text_io=tokenizer)
         trainer.recompute_old_logp = path == "recomputed"
         trainers[path] = trainer
     step_s: dict[str, list[float]] = {path: [] for path in trainers}

@@ -129,7 +129,7 @@ def test_sft_lowers_the_loss_and_is_deterministic(rows: tuple[list, list]) -> No
     runs = []
     for _ in range(2):
         model, tokenizer = load_model(SETUP.model, seed=0)
-        metrics = SFTTrainer(model, tokenizer, examples, cfg, seed=0).fit()
+        metrics = SFTTrainer(cfg, examples, 0, model=model, text_io=tokenizer).fit()
         runs.append((metrics, sft_state(model)))
     assert runs[0][0][-1]["train/loss"] < runs[0][0][0]["train/loss"]
     assert [m["train/loss"] for m in runs[0][0]] == [m["train/loss"] for m in runs[1][0]]

@@ -8,6 +8,8 @@ records (`omni_core.training.algorithms`): one factory for the Ray actor.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,4 +52,12 @@ def build_stage_trainer(stage: RLStage, rows: list[dict[str, Any]], seed: int, *
         raise ConfigError(f"stages.{stage.name}.model: {stage.algorithm.name} trains {wanted}, but "
                           f"{stage.model_uri} loads as {found}")
     torch.manual_seed(seed)
-    return record.trainer(stage, rows, seed, model=model, text_io=text_io, rollout=rollout)
+    return trainer_factory(record.trainer)(stage, rows, seed, model=model, text_io=text_io, rollout=rollout)
+
+
+def trainer_factory(factory: Callable[..., Trainer] | str) -> Callable[..., Trainer]:
+    """A record's trainer factory, given as `"module:function"` (imported now, when a stage runs) or the function."""
+    if not isinstance(factory, str):
+        return factory
+    module, _, name = factory.partition(":")
+    return getattr(importlib.import_module(module), name)

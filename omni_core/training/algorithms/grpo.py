@@ -6,7 +6,7 @@ them, group-normalise the advantages, PPO-clip update (`omni_core.training.grpo_
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -41,11 +41,8 @@ class PolicyGradientOptions(AlgorithmOptions):
         return name
 
 
-def build_grpo_trainer(stage: Any, rows: list[dict[str, Any]], seed: int, *, model: Any, text_io: Any,
-                       rollout: bool = True) -> Any:
-    from omni_core.training.grpo_loop import GRPOTrainer
-
-    return GRPOTrainer(stage, rows, seed, model=model, tokenizer=text_io, rollout=rollout)
+# the trainer module imports this one (for the options), never the reverse: named, resolved when a stage runs
+build_grpo_trainer = "omni_core.training.grpo_loop:build_trainer"
 
 
 GRPO = register_algorithm(Algorithm(
