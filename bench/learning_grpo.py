@@ -1,6 +1,7 @@
 """Learning curves: an SFT warm start, then GRPO or GSPO, with held-out evaluation along the way.
 
-The recipe behind `tests/test_learning_grpo.py` and `bench/learning.py`, read top to bottom:
+The recipe behind `tests/test_learning_grpo.py`, `bench/learning.py --algo grpo,gspo` and
+`bench/old_logprobs.py`, read top to bottom:
 
 1. rows: the `digits` fixture (rotate a 4-digit number, `omni_core.data.digits`), converted to
    verl RL rows; the train split trains, the test split (numbers never seen in training) evaluates;
