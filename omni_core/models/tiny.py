@@ -24,6 +24,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -204,6 +205,24 @@ def _lm_recipe(seed: int) -> dict:
     }
 
 
+def byte_bpe_tokenizer(corpus: list[str], spec: dict, *, wrap: tuple[str, str] | None = None, **fast: Any):
+    """The tokenizer of every tiny model: a byte-level BPE trained on `corpus` with the recipe's
+    `spec` (`vocab_size`, `min_frequency`, `special_tokens`), as a `PreTrainedTokenizerFast` made with
+    `fast` (its special tokens, chat template, padding side, max length). `wrap=(bos, eos)` adds
+    `bos ... eos` around every encoded text (CLIP's style)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_byte_bpe(corpus, vocab_size=spec["vocab_size"], min_frequency=spec["min_frequency"],
+                         special_tokens=spec["special_tokens"])
+    if wrap is not None:
+        bos, eos = wrap
+        tok.post_processor = TemplateProcessing(
+            single=f"{bos} $A {eos}", special_tokens=[(bos, tok.token_to_id(bos)), (eos, tok.token_to_id(eos))]
+        )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **fast)
+
+
 def train_byte_bpe(corpus: list[str], *, vocab_size: int, min_frequency: int, special_tokens: list[str]):
     """A byte-level BPE `tokenizers.Tokenizer` trained on `corpus` (Qwen2's pre-tokenizer split).
 
@@ -231,24 +250,10 @@ def train_byte_bpe(corpus: list[str], *, vocab_size: int, min_frequency: int, sp
 
 
 def _build_tokenizer(recipe: dict):
-    from transformers import PreTrainedTokenizerFast
-
     spec = recipe["tokenizer"]
-    tok = train_byte_bpe(
-        lm_corpus(),
-        vocab_size=spec["vocab_size"],
-        min_frequency=spec["min_frequency"],
-        special_tokens=spec["special_tokens"],
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=PAD_TOKEN,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        chat_template=spec["chat_template"],
-        padding_side="left",
-        model_max_length=recipe["model"]["max_position_embeddings"],
-    )
+    return byte_bpe_tokenizer(lm_corpus(), spec, pad_token=PAD_TOKEN, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
+                              chat_template=spec["chat_template"], padding_side="left",
+                              model_max_length=recipe["model"]["max_position_embeddings"])
 
 
 def _build_model(recipe: dict, tokenizer):

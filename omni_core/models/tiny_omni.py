@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from omni_core.models.tiny import lm_corpus, seeded_init_, train_byte_bpe
+from omni_core.models.tiny import byte_bpe_tokenizer, lm_corpus, seeded_init_
 
 RECIPE_VERSION = 1
 
@@ -216,23 +216,9 @@ def recipe(seed: int) -> dict:
 
 def build_tokenizer(spec: dict, max_length: int):
     """Byte-level BPE with Qwen3-Omni's special tokens; `tokenizer.image_token` etc. name them."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_byte_bpe(
-        _tokenizer_corpus(),
-        vocab_size=spec["vocab_size"],
-        min_frequency=spec["min_frequency"],
-        special_tokens=spec["special_tokens"],
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=PAD_TOKEN,
-        eos_token=EOS_TOKEN,
-        extra_special_tokens=dict(spec["media_tokens"]),
-        chat_template=spec["chat_template"],
-        padding_side="left",
-        model_max_length=max_length,
-    )
+    return byte_bpe_tokenizer(_tokenizer_corpus(), spec, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
+                              extra_special_tokens=dict(spec["media_tokens"]), chat_template=spec["chat_template"],
+                              padding_side="left", model_max_length=max_length)
 
 
 def _single_token_id(tokenizer, text: str) -> int:

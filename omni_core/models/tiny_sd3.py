@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from omni_core.models.diffusion import PIPELINE_FILE
-from omni_core.models.tiny import lm_corpus, seeded_init_, train_byte_bpe
+from omni_core.models.tiny import byte_bpe_tokenizer, lm_corpus, seeded_init_
 
 RECIPE_VERSION = 1
 
@@ -84,28 +84,9 @@ def recipe(seed: int) -> dict:
 
 
 def build_tokenizer(recipe: dict):
-    from tokenizers.processors import TemplateProcessing
-    from transformers import PreTrainedTokenizerFast
-
-    spec = recipe["tokenizer"]
-    tok = train_byte_bpe(
-        _tokenizer_corpus(),
-        vocab_size=spec["vocab_size"],
-        min_frequency=spec["min_frequency"],
-        special_tokens=spec["special_tokens"],
-    )
-    bos, eos = tok.token_to_id(BOS_TOKEN), tok.token_to_id(EOS_TOKEN)
-    tok.post_processor = TemplateProcessing(
-        single=f"{BOS_TOKEN} $A {EOS_TOKEN}", special_tokens=[(BOS_TOKEN, bos), (EOS_TOKEN, eos)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        padding_side="right",
-        model_max_length=recipe["max_text_length"],
-    )
+    return byte_bpe_tokenizer(_tokenizer_corpus(), recipe["tokenizer"], wrap=(BOS_TOKEN, EOS_TOKEN),
+                              bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, padding_side="right",
+                              model_max_length=recipe["max_text_length"])
 
 
 def _build_text_encoder(recipe: dict, tokenizer):
