@@ -298,20 +298,31 @@ def seeded_init_(model: torch.nn.Module, seed: int, std: float) -> None:
             param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
 
 
+NOT_DOWNLOADED = "Nothing was downloaded; building again gives byte-identical files."
+
+
+def model_card(name: str, intro: str, facts: list[str], recipe: dict) -> str:
+    """A tiny model's README.md: its URI as title, `intro`, one bullet per fact, the recipe as JSON."""
+    bullets = "".join(f"- {fact}\n" for fact in facts)
+    recipe_json = json.dumps(recipe, indent=2, sort_keys=True)
+    return f"# tiny://{name}\n\n{intro}\n\n{bullets}\n## Recipe\n\n```json\n{recipe_json}\n```\n"
+
+
+def toy_model_intro(module: str) -> str:
+    return (f"A toy model built locally by `{module}` for tests and CPU pipelines.\n"
+            "**Random weights, not a trained model**: its outputs are meaningless until trained.")
+
+
 def _model_card(name: str, recipe: dict, vocab_size: int) -> str:
     m = recipe["model"]
-    return (
-        f"# tiny://{name}\n\n"
-        "A toy model built locally by `omni_core.models.tiny` for tests and CPU pipelines.\n"
-        "**Random weights, not a trained model**: its outputs are meaningless until trained.\n\n"
-        f"- Architecture: {m['architecture']} (hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, "
+    return model_card(name, toy_model_intro("omni_core.models.tiny"), [
+        f"Architecture: {m['architecture']} (hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, "
         f"{m['num_attention_heads']} heads, {m['num_key_value_heads']} kv heads, tied embeddings, "
-        f"{m['dtype']}), initialised with seed {recipe['seed']}.\n"
-        f"- Tokenizer: byte-level BPE trained on a small built-in corpus, vocab {vocab_size}; "
-        f"pad `{PAD_TOKEN}`, bos `{BOS_TOKEN}`, eos `{EOS_TOKEN}`; ChatML chat template.\n"
-        "- Nothing was downloaded; building again gives byte-identical files.\n\n"
-        "## Recipe\n\n```json\n" + json.dumps(recipe, indent=2, sort_keys=True) + "\n```\n"
-    )
+        f"{m['dtype']}), initialised with seed {recipe['seed']}.",
+        f"Tokenizer: byte-level BPE trained on a small built-in corpus, vocab {vocab_size}; "
+        f"pad `{PAD_TOKEN}`, bos `{BOS_TOKEN}`, eos `{EOS_TOKEN}`; ChatML chat template.",
+        NOT_DOWNLOADED,
+    ], recipe)
 
 
 def _build_lm(name: str, recipe: dict, out: Path) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from omni_core.models.diffusion import PIPELINE_FILE
-from omni_core.models.tiny import byte_bpe_tokenizer, lm_corpus, seeded_init_
+from omni_core.models.tiny import NOT_DOWNLOADED, byte_bpe_tokenizer, lm_corpus, model_card, seeded_init_
 
 RECIPE_VERSION = 1
 
@@ -130,23 +130,21 @@ def _model_card(name: str, recipe: dict, params: dict[str, int], vocab: int) -> 
     t, te = recipe["transformer"], recipe["text_encoder"]
     size = recipe["sample_size"]
     tokens = (size // t["patch_size"]) ** 2
-    return (
-        f"# tiny://{name}\n\n"
-        "A toy text-to-image model built locally by `omni_core.models.tiny_sd3` for tests and CPU "
-        "pipelines.\n**Random weights, not a trained model**: its images are noise until trained.\n\n"
-        f"- **Pixel space**: the transformer denoises {size}x{size} RGB images in [-1, 1] directly; "
-        "there is no VAE, so image rewards score the very pixels it produced.\n"
-        f"- Transformer: diffusers SD3Transformer2DModel, {t['num_layers']} joint blocks (dual attention "
+    intro = ("A toy text-to-image model built locally by `omni_core.models.tiny_sd3` for tests and CPU "
+             "pipelines.\n**Random weights, not a trained model**: its images are noise until trained.")
+    return model_card(name, intro, [
+        f"**Pixel space**: the transformer denoises {size}x{size} RGB images in [-1, 1] directly; "
+        "there is no VAE, so image rewards score the very pixels it produced.",
+        f"Transformer: diffusers SD3Transformer2DModel, {t['num_layers']} joint blocks (dual attention "
         f"in {t['dual_attention_layers']}, q/k {t['qk_norm']}), {t['num_attention_heads']} heads x "
         f"{t['attention_head_dim']}, patch {t['patch_size']} ({tokens} image tokens), "
-        f"{params['transformer']} parameters.\n"
-        f"- Scheduler: FlowMatchEulerDiscreteScheduler, shift {recipe['scheduler']['shift']}.\n"
-        f"- Text encoder: CLIPTextModelWithProjection (hidden {te['hidden_size']}, {te['num_hidden_layers']} "
+        f"{params['transformer']} parameters.",
+        f"Scheduler: FlowMatchEulerDiscreteScheduler, shift {recipe['scheduler']['shift']}.",
+        f"Text encoder: CLIPTextModelWithProjection (hidden {te['hidden_size']}, {te['num_hidden_layers']} "
         f"layers, projection {te['projection_dim']}), {params['text_encoder']} parameters; prompts padded "
-        f"to {recipe['max_text_length']} tokens; byte-level BPE tokenizer, vocab {vocab}.\n"
-        f"- Seed {recipe['seed']}. Nothing was downloaded; building again gives byte-identical files.\n\n"
-        "## Recipe\n\n```json\n" + json.dumps(recipe, indent=2, sort_keys=True) + "\n```\n"
-    )
+        f"to {recipe['max_text_length']} tokens; byte-level BPE tokenizer, vocab {vocab}.",
+        f"Seed {recipe['seed']}. {NOT_DOWNLOADED}",
+    ], recipe)
 
 
 def build(name: str, recipe: dict, out: Path) -> None:
