@@ -181,15 +181,8 @@ def _lm_recipe(seed: int) -> dict:
     return {
         "recipe_version": RECIPE_VERSION,
         "seed": seed,
-        "tokenizer": {
-            "kind": "byte-level-bpe",
-            "vocab_size": 2048,
-            "min_frequency": 2,
-            "split_pattern": _SPLIT_PATTERN,
-            "special_tokens": SPECIAL_TOKENS,
-            "chat_template": CHAT_TEMPLATE,
-            "corpus_sha256": hashlib.sha256("\n".join(lm_corpus()).encode()).hexdigest(),
-        },
+        "tokenizer": byte_bpe_spec(lm_corpus(), SPECIAL_TOKENS, split_pattern=_SPLIT_PATTERN,
+                                   chat_template=CHAT_TEMPLATE),
         "model": {
             "architecture": "Qwen3ForCausalLM",
             "hidden_size": 64,
@@ -203,6 +196,13 @@ def _lm_recipe(seed: int) -> dict:
             "dtype": "float32",
         },
     }
+
+
+def byte_bpe_spec(corpus: list[str], special_tokens: list[str], **extra: Any) -> dict:
+    """The `tokenizer` entry of a tiny model's recipe (what `byte_bpe_tokenizer` reads, plus the
+    corpus digest and the model's `extra` keys, so that any change names a new build)."""
+    return {"kind": "byte-level-bpe", "vocab_size": 2048, "min_frequency": 2, "special_tokens": special_tokens,
+            **extra, "corpus_sha256": hashlib.sha256("\n".join(corpus).encode()).hexdigest()}
 
 
 def byte_bpe_tokenizer(corpus: list[str], spec: dict, *, wrap: tuple[str, str] | None = None, **fast: Any):

@@ -25,7 +25,6 @@ Tiny-size care (the real config's defaults do not shrink on their own):
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ import torch
 
 from omni_core.models.tiny import (
     NOT_DOWNLOADED,
+    byte_bpe_spec,
     byte_bpe_tokenizer,
     lm_corpus,
     model_card,
@@ -99,15 +99,8 @@ def recipe(seed: int) -> dict:
     return {
         "recipe_version": RECIPE_VERSION,
         "seed": seed,
-        "tokenizer": {
-            "kind": "byte-level-bpe",
-            "vocab_size": 2048,
-            "min_frequency": 2,
-            "special_tokens": SPECIAL_TOKENS,
-            "media_tokens": MEDIA_TOKENS,
-            "chat_template": CHAT_TEMPLATE,
-            "corpus_sha256": hashlib.sha256("\n".join(_tokenizer_corpus()).encode()).hexdigest(),
-        },
+        "tokenizer": byte_bpe_spec(_tokenizer_corpus(), SPECIAL_TOKENS, media_tokens=MEDIA_TOKENS,
+                                   chat_template=CHAT_TEMPLATE),
         "image_processor": {
             "class": "Qwen2VLImageProcessorPil",
             "patch_size": 16,

@@ -14,14 +14,20 @@ Weights are random (`seeded_init_`); building again gives byte-identical files.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
 
 from omni_core.models.diffusion import PIPELINE_FILE
-from omni_core.models.tiny import NOT_DOWNLOADED, byte_bpe_tokenizer, lm_corpus, model_card, seeded_init_
+from omni_core.models.tiny import (
+    NOT_DOWNLOADED,
+    byte_bpe_spec,
+    byte_bpe_tokenizer,
+    lm_corpus,
+    model_card,
+    seeded_init_,
+)
 
 RECIPE_VERSION = 1
 
@@ -53,13 +59,7 @@ def recipe(seed: int) -> dict:
         "sample_size": 32,
         "channels": 3,
         "max_text_length": 64,
-        "tokenizer": {
-            "kind": "byte-level-bpe",
-            "vocab_size": 2048,
-            "min_frequency": 2,
-            "special_tokens": [BOS_TOKEN, EOS_TOKEN],
-            "corpus_sha256": hashlib.sha256("\n".join(_tokenizer_corpus()).encode()).hexdigest(),
-        },
+        "tokenizer": byte_bpe_spec(_tokenizer_corpus(), [BOS_TOKEN, EOS_TOKEN]),
         "text_encoder": {
             "architecture": "CLIPTextModelWithProjection",
             "hidden_size": 32,
