@@ -2,7 +2,7 @@
 
     python bench/learning.py [--algo grpo,gspo,dpo,mpo,flow_grpo | all] [--quick] [--json] [--seed N]
 
-grpo/gspo: `omni_core.training.learning` (SFT warm start on the digit-reversal fixture, then RL on
+grpo/gspo: `bench/learning_grpo.py` (SFT warm start on the digit-reversal fixture, then RL on
 `tiny://lm`), held-out mean reward sampled at temperature 1 (and greedy) every few steps.
 dpo/mpo: `bench/learning_preference.py` (`tiny://lm` on the Omni-Preference fixture), reward accuracy
 on the held-out pairs, overall and per modality, after every step.
@@ -92,7 +92,7 @@ def bench_run(name: str) -> Callable[[BenchRun], BenchRun]:
 @cache
 def _warm_start(quick: bool, seed: int) -> tuple[Any, ...]:
     """One SFT warm start shared by the RL runs of this process."""
-    from omni_core.training.learning import LearningSetup, load_rows, warm_start
+    from bench.learning_grpo import LearningSetup, load_rows, warm_start
 
     setup = LearningSetup.quick(seed=seed) if quick else LearningSetup(seed=seed)
     train, val = load_rows(setup)
@@ -101,7 +101,7 @@ def _warm_start(quick: bool, seed: int) -> tuple[Any, ...]:
 
 
 def _rl_curve(algorithm: str, quick: bool, seed: int) -> BenchCurve:
-    from omni_core.training.learning import learning_curve, state_digest
+    from bench.learning_grpo import learning_curve, state_digest
 
     setup, model, tokenizer, train, val = _warm_start(quick, seed)
     curve, trainer = learning_curve(algorithm, setup, model, tokenizer, train, val)

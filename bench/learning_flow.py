@@ -72,7 +72,7 @@ def curve(seed: int, train: list[dict], test: list[dict], setup: FlowSetup = Flo
     from omni_core.training.flow_grpo import FlowGRPOTrainer
 
     model, _ = load_model(MODEL, seed=0)
-    trainer = FlowGRPOTrainer(CONFIG, model, train, seed=seed)
+    trainer = FlowGRPOTrainer(CONFIG, train, seed, model=model)
     eval_rows = [row for row in test for _ in range(EVAL_SEEDS_PER_PROMPT)]
     eval_seeds = list(range(len(eval_rows)))
     start, cpu_start = time.perf_counter(), time.process_time()

@@ -73,7 +73,7 @@ def run_preference(loss_mode: str, setup: PreferenceSetup, seed: int = 0) -> dic
         model, tokenizer = load_model(MODEL, seed=seed)
         config = PreferenceConfig(loss_mode=loss_mode, lr=setup.lr, batch_size=setup.batch_size,
                                   total_steps=setup.steps)
-        trainer = PreferenceTrainer(model, tokenizer, train, config, seed=seed)
+        trainer = PreferenceTrainer(config, train, seed, model=model, text_io=tokenizer)
         start, cpu_start = time.perf_counter(), time.process_time()
         losses, validation = [], [[0, trainer.validate(test)]]
         for step in range(1, setup.steps + 1):

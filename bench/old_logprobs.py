@@ -40,7 +40,7 @@ def run_pair(algorithm: str, setup: Any, model: Any, tokenizer: Any, rows: list[
     trainers = {}
     for path in ("reused", "recomputed"):
         trainer = GRPOTrainer(setup.stage(algorithm), rows, setup.seed, model=copy.deepcopy(model),
-                              tokenizer=tokenizer)
+                              text_io=tokenizer)
         trainer.recompute_old_logp = path == "recomputed"
         trainers[path] = trainer
     step_s: dict[str, list[float]] = {path: [] for path in trainers}
@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from omni_core.training.learning import LearningSetup, load_rows, warm_start
+    from bench.learning_grpo import LearningSetup, load_rows, warm_start
 
     torch.set_num_threads(1)  # both paths on one core: their times compare, whatever else the machine runs
     steps = args.steps or (8 if args.quick else 30)

@@ -13,7 +13,13 @@ import pytest
 from PIL import Image
 
 from omni_core.config import DatasetConfig
-from omni_core.data import ingest, resolve_source, write_fixture
+from omni_core.data import (
+    holds_preference_pairs,
+    ingest,
+    preference_converters,
+    resolve_source,
+    write_fixture,
+)
 from omni_core.data.converter import RowSkipped
 from omni_core.data.omni_preference import SCHEMA, OmniPreferenceConverter, media_rel, split_of
 from omni_core.storage import Store
@@ -52,6 +58,12 @@ def test_fixture_writes_the_dataset_layout_deterministically(tmp_path) -> None:
     assert "### Context\nVideo file: " in line["messages"][0]["content"]
     other = write_fixture("omni_preference", tmp_path / "c", rows=4, seed=4)
     assert other[-1].read_bytes() != a[-1].read_bytes()
+
+
+def test_the_converter_says_it_holds_preference_pairs() -> None:
+    assert OmniPreferenceConverter.preference_pairs and preference_converters() == ["omni_preference"]
+    assert holds_preference_pairs("omni_preference") and not holds_preference_pairs("gsm8k")
+    assert not holds_preference_pairs("no_such_converter")
 
 
 def test_split_rule_is_by_media_name_about_ten_percent() -> None:

@@ -105,10 +105,7 @@ def test_no_backend_imports_another_backends_modules() -> None:
 
 
 # Removed by the training-side change (the trainer no longer subclasses the options of its record module).
-KNOWN_CIRCLES: list[set[str]] = [
-    {"omni_core.training.algorithms.flow_grpo", "omni_core.training.flow_grpo"},
-    {"omni_core.training.algorithms.preference", "omni_core.training.preference"},
-]
+KNOWN_CIRCLES: list[set[str]] = []
 
 
 def import_graph() -> dict[str, set[str]]:

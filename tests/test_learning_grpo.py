@@ -1,7 +1,7 @@
 """RL learns: GRPO and GSPO raise the held-out reward of an SFT-warm-started tiny://lm, deterministically.
 
 The task is the `digits` fixture (rotate a 4-digit number; partial-credit reward), the recipe
-`omni_core.training.learning` (also run by `bench/learning.py --quick`). Plus the training components
+`bench/learning_grpo.py` (also run by `bench/learning.py --quick`). Plus the training components
 it is made of: SFT, mini-batches of whole groups, several update epochs (the clip acts), the k3 KL to
 a frozen reference.
 """
@@ -15,6 +15,14 @@ from typing import Any
 import pytest
 import torch
 
+from bench.learning_grpo import (
+    LearningSetup,
+    held_out_reward,
+    learning_curve,
+    load_rows,
+    state_digest,
+    warm_start,
+)
 from omni_core.algorithms import get_policy_loss, grpo_advantages
 from omni_core.config import RLStage
 from omni_core.config.models import TrainerConfig
@@ -32,14 +40,6 @@ from omni_core.training.components import (
     score_rollouts,
 )
 from omni_core.training.grpo_loop import GRPOTrainer
-from omni_core.training.learning import (
-    LearningSetup,
-    held_out_reward,
-    learning_curve,
-    load_rows,
-    state_digest,
-    warm_start,
-)
 from omni_core.training.sft import SFTTrainer, examples_from_rows
 
 SETUP = LearningSetup.quick()  # seed 0: SFT 60 steps, then 40 RL steps of 16 prompts x 8 responses
@@ -129,7 +129,7 @@ def test_sft_lowers_the_loss_and_is_deterministic(rows: tuple[list, list]) -> No
     runs = []
     for _ in range(2):
         model, tokenizer = load_model(SETUP.model, seed=0)
-        metrics = SFTTrainer(model, tokenizer, examples, cfg, seed=0).fit()
+        metrics = SFTTrainer(cfg, examples, 0, model=model, text_io=tokenizer).fit()
         runs.append((metrics, sft_state(model)))
     assert runs[0][0][-1]["train/loss"] < runs[0][0][0]["train/loss"]
     assert [m["train/loss"] for m in runs[0][0]] == [m["train/loss"] for m in runs[1][0]]

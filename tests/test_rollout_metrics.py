@@ -155,6 +155,6 @@ def test_flow_grpo_step_reports_rollout_vs_actor_metrics(tmp_path_factory: pytes
         model = load_model("tiny://sd3", seed=0)[0]
     rows = [{"data_source": "jpeg_compressibility", "prompt": p} for p in ("a red sign", "a cat", "a lake")]
     config = FlowGRPOConfig(group_size=2, prompts_per_step=2, num_steps=4, timestep_fraction=0.5, lr=1e-2)
-    metrics = FlowGRPOTrainer(config, model, rows, seed=0).step()
+    metrics = FlowGRPOTrainer(config, rows, 0, model=model).step()
     assert metrics[PROBS_DIFF_VALID] == 1.0 and metrics[PROBS_PEARSON] > 0.999
     assert metrics["timing_s/old_log_prob"] >= 0

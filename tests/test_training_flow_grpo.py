@@ -115,7 +115,7 @@ def test_kl_reference_is_the_model_with_lora_disabled():
 
 def test_step_metrics_and_kl_with_lora():
     model = sd3({"rank": 4, "alpha": 8})
-    trainer = FlowGRPOTrainer(FlowGRPOConfig(**SMALL, kl_beta=0.04), model, ROWS, seed=0)
+    trainer = FlowGRPOTrainer(FlowGRPOConfig(**SMALL, kl_beta=0.04), ROWS, 0, model=model)
     first, second = trainer.step(), trainer.step()
     for name in ("critic/score/mean", "critic/rewards/mean", "critic/advantages/max", "actor/pg_loss",
                  "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/grad_norm", "actor/lr",
@@ -129,7 +129,7 @@ def test_step_metrics_and_kl_with_lora():
 
 def test_full_fine_tune_kl_uses_a_frozen_copy():
     model = sd3()
-    trainer = FlowGRPOTrainer(FlowGRPOConfig(**SMALL, kl_beta=0.04), model, ROWS, seed=0)
+    trainer = FlowGRPOTrainer(FlowGRPOConfig(**SMALL, kl_beta=0.04), ROWS, 0, model=model)
     start = {k: v.clone() for k, v in trainer.frozen_reference.state_dict().items()}
     trainer.step()
     metrics = trainer.step()
@@ -140,7 +140,7 @@ def test_full_fine_tune_kl_uses_a_frozen_copy():
 def test_same_seed_same_rewards_and_weights():
     def run(seed: int) -> tuple[list[float], dict[str, torch.Tensor]]:
         model = sd3()
-        trainer = FlowGRPOTrainer(FlowGRPOConfig(**SMALL), model, ROWS, seed=seed)
+        trainer = FlowGRPOTrainer(FlowGRPOConfig(**SMALL), ROWS, seed, model=model)
         scores = [trainer.step()["critic/score/mean"] for _ in range(2)]
         return scores, model.transformer.state_dict()
 
@@ -160,7 +160,7 @@ def test_rewards_and_prompts_follow_verl_rows():
     with pytest.raises(ValueError, match="unknown"):
         FlowGRPOConfig(group_size=4, unknown=1)
     with pytest.raises(DataError, match="no prompt rows"):
-        FlowGRPOTrainer(FlowGRPOConfig(), sd3(), [], seed=0)
+        FlowGRPOTrainer(FlowGRPOConfig(), [], 0, model=sd3())
 
 
 def ocr_rows(tmp_path: Path) -> tuple[list[dict], list[dict]]:
@@ -180,7 +180,7 @@ def test_flow_grpo_raises_jpeg_compressibility(tmp_path):
     train, test = ocr_rows(tmp_path)
     model = sd3()
     config = FlowGRPOConfig(group_size=4, prompts_per_step=1, num_steps=10, eval_num_steps=40, lr=1e-2)
-    trainer = FlowGRPOTrainer(config, model, train, seed=0)
+    trainer = FlowGRPOTrainer(config, train, 0, model=model)
     eval_rows, eval_seeds = [row for row in test for _ in range(2)], list(range(8))
     before, _ = trainer.evaluate(eval_rows, eval_seeds)
     scores = [trainer.step()["critic/score/mean"] for _ in range(40)]

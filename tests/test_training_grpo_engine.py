@@ -136,7 +136,7 @@ def test_thinker_steps_report_the_metrics_and_rows_keep_their_media() -> None:
     stage = RLStage(name="rl", model="tiny://qwen3-omni", data="avqa", algorithm={"name": "gspo"},
                     reward={"name": BY_LENGTH}, rollout={"n": 2, "max_new_tokens": 4},
                     trainer={"total_steps": 2, "batch_size": 2, "lr": 1e-2, "max_prompt_tokens": 512})
-    trainer = GRPOTrainer(stage, avqa, seed=0, model=model, tokenizer=processor)
+    trainer = GRPOTrainer(stage, avqa, seed=0, model=model, text_io=processor)
     try:
         batch = trainer.generate(avqa[:2], 0)
         assert batch.media is not None and len(batch.media) == 4

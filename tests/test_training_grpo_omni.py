@@ -91,7 +91,7 @@ def test_a_step_trains_the_thinker_language_model(thinker, rows, data: str, algo
     model, processor = thinker
     kl_beta = 0.01 if algorithm == "grpo" else 0.0  # grpo: with a frozen reference (k3 KL) seeing the media too
     trainer = GRPOTrainer(_stage(data, algorithm, kl_beta), rows[data], seed=0, model=copy.deepcopy(model),
-                          tokenizer=processor)
+                          text_io=processor)
     batch = trainer.generate(rows[data][:2], 0)
     assert batch.media is not None and len(batch.media) == 6 and all("pixel_values" in m for m in batch.media)
     assert all(("input_features" in m) == (data == "avqa") for m in batch.media)
@@ -123,7 +123,7 @@ def test_old_logprobs_equal_the_rollouts_and_unpadded_recomputations(thinker, ro
     assert media["image_grid_thw"].shape[0] == 4 and media["input_features"].shape[0] == 4  # 2 rows each, x2
     assert (media["feature_attention_mask"] == 0).any()  # audio clips of different lengths: padded frames
 
-    trainer = GRPOTrainer(_stage("avqa", "grpo"), rows["avqa"], seed=0, model=model, tokenizer=processor)
+    trainer = GRPOTrainer(_stage("avqa", "grpo"), rows["avqa"], seed=0, model=model, text_io=processor)
     with torch.no_grad():
         old = trainer.logprobs(batch)  # what step() records as old_log_prob
     mask = batch.response_mask.bool()

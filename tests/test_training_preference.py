@@ -157,10 +157,11 @@ DPO_KEYS = {"actor/dpo_loss", "actor/reward_accuracy", "actor/chosen_rewards", "
 def test_metric_names_and_validation_per_modality(pairs) -> None:
     train, test = pairs
     model, tokenizer = lm()
-    dpo = PreferenceTrainer(model, tokenizer, train, PreferenceConfig(batch_size=4), seed=SEED)
+    dpo = PreferenceTrainer(PreferenceConfig(batch_size=4), train, SEED, model=model, text_io=tokenizer)
     assert set(dpo.step()) == DPO_KEYS
     model, tokenizer = lm()
-    mpo = PreferenceTrainer(model, tokenizer, train, PreferenceConfig(loss_mode="mpo", batch_size=4), seed=SEED)
+    mpo = PreferenceTrainer(PreferenceConfig(loss_mode="mpo", batch_size=4), train, SEED, model=model,
+                            text_io=tokenizer)
     metrics = mpo.step()
     assert set(metrics) == DPO_KEYS - {"actor/dpo_loss"} | {
         "actor/mpo_loss", "actor/sigmoid_loss", "actor/bco_pair_loss", "actor/sft_loss"}
@@ -179,7 +180,7 @@ def test_same_seed_gives_identical_weights_and_metrics(pairs) -> None:
     runs = []
     for seed in (SEED, SEED, SEED + 1):
         model, tokenizer = lm()
-        trainer = PreferenceTrainer(model, tokenizer, pairs[0], PreferenceConfig(batch_size=4), seed=seed)
+        trainer = PreferenceTrainer(PreferenceConfig(batch_size=4), pairs[0], seed, model=model, text_io=tokenizer)
         metrics = [trainer.step() for _ in range(3)]
         runs.append((metrics, {k: v.clone() for k, v in model.state_dict().items()}))
     assert runs[0][0] == runs[1][0]
@@ -194,7 +195,7 @@ def test_preference_training_ranks_held_out_pairs(pairs, loss_mode: str) -> None
     train, test = pairs
     model, tokenizer = lm()
     config = PreferenceConfig(loss_mode=loss_mode, lr=1e-3, batch_size=8, total_steps=20)
-    trainer = PreferenceTrainer(model, tokenizer, train, config, seed=SEED)
+    trainer = PreferenceTrainer(config, train, SEED, model=model, text_io=tokenizer)
     before = trainer.validate(test)
     assert before["val/reward_accuracy"] == 0.0 and before["val/reward_margin"] == 0.0
     history = [trainer.step() for _ in range(config.total_steps)]
@@ -229,7 +230,7 @@ def test_one_step_on_qwen3_omni_with_image_and_audio_rows(pairs, model_cache: Pa
     torch.testing.assert_close(pair_logps(model, batch).chosen.detach(), ref_before.chosen)  # LoRA B = 0
 
     config = PreferenceConfig(batch_size=2, lr=1e-2, modality_weights={"video": 0.0})
-    trainer = PreferenceTrainer(model, processor, image + audio, config, seed=SEED)
+    trainer = PreferenceTrainer(config, image + audio, SEED, model=model, text_io=processor)
     metrics = trainer.step()
     assert set(metrics) == DPO_KEYS and metrics["actor/grad_norm"] > 0
     torch.testing.assert_close(reference_logps(model, None, batch).chosen, ref_before.chosen)  # base unchanged

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from bench.learning_grpo import LearningSetup, load_rows
 from omni_core.config.models import RLStage
 from omni_core.errors import DataError
 from omni_core.training.actors import trainable_weights
 from omni_core.training.algorithms import SUPERVISED, algorithm_names, get_algorithm
-from omni_core.training.learning import LearningSetup, load_rows
 from omni_core.training.sft import row_response
 from omni_core.training.stage_trainers import build_stage_trainer
 from omni_core.training.trainer import Trainer

@@ -190,6 +190,21 @@ def model_kind(what: str, name: str) -> str | None:
     return _MODEL_KINDS.get(f"{what}:{name}", None)
 
 
+# The dataset converters whose rows are preference pairs (dpo/mpo data): filled by the converters'
+# registration (omni_core.data, a built-in plugin; a converter sets `preference_pairs = True`).
+_PAIR_CONVERTERS: Registry[bool] = Registry("preference-pair converter")
+
+
+def register_pair_converter(name: str) -> None:
+    if name not in _PAIR_CONVERTERS:
+        _PAIR_CONVERTERS.add(name, True)
+
+
+def pair_converters() -> list[str]:
+    """The names of the registered converters that write preference pairs."""
+    return _PAIR_CONVERTERS.names()
+
+
 def describe_algorithms(schema: dict[str, Any]) -> None:
     """JSON-schema hook of the `algorithm:` field: its description lists the registered algorithms."""
     names = ", ".join(algorithm_names())

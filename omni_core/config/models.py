@@ -41,6 +41,7 @@ from omni_core.config.algorithms import (
     describe_trainer_defaults,
     get_algorithm,
     model_kind,
+    pair_converters,
     parse_options,
 )
 from omni_core.config.backends import (
@@ -358,9 +359,6 @@ class RLStage(StageBase):
 TrainingStage = RLStage
 TRAINING_KINDS = ("rl", "sft")
 
-PREFERENCE_CONVERTERS = ("omni_preference",)
-
-
 def _example_model(kind: str) -> str:
     return "e.g. tiny://sd3" if kind == DIFFUSION_MODEL else "e.g. tiny://lm; flow_grpo trains diffusion models"
 
@@ -402,10 +400,10 @@ def _rl_stage_problem(stage: RLStage, datasets: dict[str, DatasetConfig]) -> str
     dataset_key = stage.data.split(":", 1)[0]
     dataset = datasets.get(dataset_key)
     if dataset is not None:
-        pairs = dataset.converter in PREFERENCE_CONVERTERS
+        pairs = dataset.converter in pair_converters()
         if record.data == PAIRS and not pairs:
             return (f"{where}.data: {algo} trains on preference pairs (a dataset with converter "
-                    f"{' or '.join(PREFERENCE_CONVERTERS)}), but '{dataset_key}' uses converter {dataset.converter}")
+                    f"{' or '.join(pair_converters())}), but '{dataset_key}' uses converter {dataset.converter}")
         if record.data not in (PAIRS, SUPERVISED) and pairs:
             return (f"{where}.data: {algo} samples responses to prompts and rewards them, but '{dataset_key}' "
                     f"holds preference pairs (converter {dataset.converter}); use algorithm.name dpo or mpo")
@@ -461,7 +459,7 @@ class EvalStage(StageBase):
         key = self.split()[0]
         if key not in config.datasets:
             return f"{where}.data: '{key}' is not under datasets: ({', '.join(config.datasets) or 'none declared'})"
-        if config.datasets[key].converter in PREFERENCE_CONVERTERS:
+        if config.datasets[key].converter in pair_converters():
             return (f"{where}.data: '{key}' holds preference pairs (converter {config.datasets[key].converter}); "
                     "eval scores responses to prompts with rewards: use a prompt dataset (e.g. gsm8k:test)")
         problem = _upstream_problem(config, self.name, "checkpoint_from", self.checkpoint_from, TRAINING_KINDS,

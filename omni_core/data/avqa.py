@@ -21,8 +21,6 @@ import pyarrow as pa
 from omni_core.data.converter import Converter, RawRecord, RowRejected, register_converter
 from omni_core.data.fixtures import register_fixture
 from omni_core.data.media import (
-    MEDIA_LIST,
-    MESSAGE,
     draw_scene,
     encode_image,
     image_problem,
@@ -30,6 +28,7 @@ from omni_core.data.media import (
     tone_wav,
     wav_problem,
 )
+from omni_core.data.schema import MEDIA_LIST, REWARD_MODEL, extra_info, rl_schema
 from omni_core.data.sources import RawSource
 from omni_core.errors import DataError
 
@@ -45,19 +44,16 @@ SPLIT_FILES = {"train": "train/omni_rl_format_train.json", "validation": "valid/
 _ANSWER = re.compile(r"<answer>\s*([A-H])\s*</answer>", re.IGNORECASE)
 _OPTION = re.compile(r"^\s*([A-H])[.)、:]\s*(.+?)\s*$", re.IGNORECASE)
 
-SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(MESSAGE)),
+SCHEMA = rl_schema(
     ("images", MEDIA_LIST),
     ("audios", MEDIA_LIST),
     ("ability", pa.string()),
-    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-    ("extra_info", pa.struct([
-        ("split", pa.string()), ("index", pa.int64()), ("problem_id", pa.string()), ("dataset", pa.string()),
-        ("problem_type", pa.string()), ("raw_problem", pa.string()), ("raw_solution", pa.string()),
-        ("options", pa.string()),
-    ])),
-])
+    ("reward_model", REWARD_MODEL),
+    ("extra_info", extra_info(
+        ("problem_id", pa.string()), ("dataset", pa.string()), ("problem_type", pa.string()),
+        ("raw_problem", pa.string()), ("raw_solution", pa.string()), ("options", pa.string()),
+    )),
+)
 
 
 def iter_json_array(path: Path, label: str, chunk: int = 1 << 16) -> Iterator[Any]:

@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from omni_core.config.algorithms import register_pair_converter
 from omni_core.data.sources import RawSource
 from omni_core.errors import DataError
 from omni_core.registry import Registry
@@ -38,11 +39,14 @@ class Converter:
     """Turns a dataset's raw files into verl RL Parquet rows of a declared schema.
 
     `version` is part of every dataset version id: bump it whenever the output could change.
+    `preference_pairs`: its rows are preference pairs (`chosen` / `rejected`), which dpo/mpo train on,
+    not prompts to sample and reward (`omni_core.data.holds_preference_pairs`).
     """
 
     name: ClassVar[str]
     version: ClassVar[str]
     schema: ClassVar[pa.Schema]
+    preference_pairs: ClassVar[bool] = False
 
     def splits(self, raw: RawSource) -> list[str]:
         """The output splits this raw source holds (empty: the source is not this dataset's layout)."""
@@ -201,13 +205,53 @@ class HubParquetConverter(Converter):
         return out
 
 
+class SplitFileConverter(Converter):
+    """A dataset of one file per split, `{split}{split_suffix}` (found anywhere under the source by file name)."""
+
+    split_names: ClassVar[tuple[str, ...]] = ("train", "test")
+    split_suffix: ClassVar[str]
+
+    def split_file(self, raw: RawSource, split: str) -> str | None:
+        """The source-relative path of `split`'s file (the first by sorted path), or None."""
+        name = f"{split}{self.split_suffix}"
+        return next((rel for rel in sorted(raw.files) if rel.rsplit("/", 1)[-1] == name), None)
+
+    def splits(self, raw: RawSource) -> list[str]:
+        return [split for split in self.split_names if self.split_file(raw, split)]
+
+
+def text_lines(raw: RawSource, rel: str, expected: str) -> Iterator[tuple[int, str]]:
+    """(line number, line without its line end) of each non-blank line of a raw UTF-8 text file; a file
+    that is not UTF-8 is a DataError saying it should be `expected`."""
+    try:
+        with open(raw.path(rel), encoding="utf-8") as lines:
+            for line_no, line in enumerate(lines):
+                if line.strip():
+                    yield line_no, line.rstrip("\r\n")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{raw.uri}: {rel} is not UTF-8 text ({exc.reason}); expected {expected}") from exc
+
+
 _CONVERTERS: Registry[type[Converter]] = Registry(
     "converter", hint="add a Converter subclass decorated with @register_converter to omni_core/data/")
 
 
 def register_converter(cls: type[Converter]) -> type[Converter]:
+    if cls.preference_pairs:
+        register_pair_converter(cls.name)
     return _CONVERTERS.add(cls.name, cls)
 
 
 def get_converter(name: str) -> Converter:
     return _CONVERTERS.get(name)()
+
+
+def holds_preference_pairs(converter: str) -> bool:
+    """Whether the converter named `converter` writes preference pairs (its `preference_pairs`);
+    False for a name no converter is registered under."""
+    return converter in _CONVERTERS and _CONVERTERS.get(converter).preference_pairs
+
+
+def preference_converters() -> list[str]:
+    """The registered converters that write preference pairs, by name."""
+    return [name for name, cls in _CONVERTERS.items() if cls.preference_pairs]

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from omni_core.data.converter import HubParquetConverter, RowRejected, register_converter
 from omni_core.data.fixtures import register_fixture
+from omni_core.data.schema import REWARD_MODEL, extra_info, rl_schema
 from omni_core.data.sources import RawSource
 from omni_core.errors import DataError
 
@@ -32,14 +33,11 @@ DATA_SOURCE = "digits_rotate"
 DIGITS = 4
 _NUMBER = re.compile(r"[0-9]+")
 
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
-SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(MESSAGE)),
+SCHEMA = rl_schema(
     ("ability", pa.string()),
-    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("number", pa.string())])),
-])
+    ("reward_model", REWARD_MODEL),
+    ("extra_info", extra_info(("number", pa.string()))),
+)
 
 
 def rotate_row(number: str, split: str, index: int) -> dict[str, Any]:

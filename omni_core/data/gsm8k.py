@@ -12,20 +12,17 @@ from omni_core.data.converter import (
     RowRejected,
     register_converter,
 )
+from omni_core.data.schema import REWARD_MODEL, extra_info, rl_schema
 from omni_core.data.sources import RawSource
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 _FINAL_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
-SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(MESSAGE)),
+SCHEMA = rl_schema(
     ("ability", pa.string()),
-    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()),
-                              ("answer", pa.string()), ("question", pa.string())])),
-])
+    ("reward_model", REWARD_MODEL),
+    ("extra_info", extra_info(("answer", pa.string()), ("question", pa.string()))),
+)
 
 
 def extract_solution(answer: str) -> str | None:

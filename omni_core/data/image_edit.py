@@ -21,9 +21,16 @@ from typing import Any
 import pyarrow as pa
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from omni_core.data.converter import Converter, RawRecord, RowRejected, register_converter
+from omni_core.data.converter import (
+    RawRecord,
+    RowRejected,
+    SplitFileConverter,
+    register_converter,
+    text_lines,
+)
 from omni_core.data.fixtures import register_fixture
-from omni_core.data.media import MEDIA_LIST, MESSAGE, draw_scene, encode_image, safe_join
+from omni_core.data.media import draw_scene, encode_image, safe_join
+from omni_core.data.schema import MEDIA_LIST, MESSAGE, REWARD_MODEL, extra_info, rl_schema
 from omni_core.data.sources import RawSource
 from omni_core.errors import DataError
 
@@ -38,16 +45,13 @@ SYSTEM_PROMPT = (
 IMAGE_SIZE = 512  # prepare_data.py --image_size default
 IMAGE_PLACEHOLDER = "<image>"
 
-SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(MESSAGE)),
+SCHEMA = rl_schema(
     ("negative_prompt", pa.list_(MESSAGE)),
     ("ability", pa.string()),
     ("images", MEDIA_LIST),
-    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("instruction", pa.string()),
-                              ("image", pa.string())])),
-])
+    ("reward_model", REWARD_MODEL),
+    ("extra_info", extra_info(("instruction", pa.string()), ("image", pa.string()))),
+)
 
 
 def letterbox_png(data: bytes, image_size: int = IMAGE_SIZE) -> bytes:
@@ -62,29 +66,19 @@ def letterbox_png(data: bytes, image_size: int = IMAGE_SIZE) -> bytes:
 
 
 @register_converter
-class ImageEditConverter(Converter):
+class ImageEditConverter(SplitFileConverter):
     name = "image_edit"
     version = "1"
     schema = SCHEMA
-
-    def _file(self, raw: RawSource, split: str) -> str | None:
-        return next((rel for rel in sorted(raw.files) if rel.rsplit("/", 1)[-1] == f"{split}.jsonl"), None)
-
-    def splits(self, raw: RawSource) -> list[str]:
-        return [split for split in ("train", "test") if self._file(raw, split)]
+    split_suffix = ".jsonl"
 
     def records(self, raw: RawSource, split: str) -> Iterator[RawRecord]:
-        rel = self._file(raw, split)
+        rel = self.split_file(raw, split)
         if rel is None:
             raise DataError(f"{raw.uri}: {split}.jsonl is missing; expected train.jsonl / test.jsonl and images/")
         folder = rel.rpartition("/")[0]
-        try:
-            with open(raw.path(rel), encoding="utf-8") as lines:
-                for line_no, line in enumerate(lines):
-                    if line.strip():
-                        yield rel, line_no, {"line": line.rstrip("\r\n"), "folder": folder}
-        except UnicodeDecodeError as exc:
-            raise DataError(f"{raw.uri}: {rel} is not UTF-8 text ({exc.reason}); expected JSON lines") from exc
+        for line_no, line in text_lines(raw, rel, "JSON lines"):
+            yield rel, line_no, {"line": line, "folder": folder}
 
     def convert(self, record: dict[str, Any], split: str, index: int, raw: RawSource) -> dict[str, Any]:
         try:

@@ -17,9 +17,9 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image, ImageDraw, UnidentifiedImageError
 
+from omni_core.data.schema import MEDIA_LIST
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
-MEDIA_LIST = pa.list_(pa.struct([("bytes", pa.binary())]))  # verl's `images` / `audios` / `videos`
 
 
 def media_list(values: pa.ChunkedArray, keep: list[bool]) -> pa.ChunkedArray:

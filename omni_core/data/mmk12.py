@@ -26,7 +26,8 @@ from omni_core.data.converter import (
     register_converter,
 )
 from omni_core.data.fixtures import register_fixture
-from omni_core.data.media import MEDIA_LIST, MESSAGE, encode_image, image_problem, media_list
+from omni_core.data.media import encode_image, image_problem, media_list
+from omni_core.data.schema import MEDIA_LIST, REWARD_MODEL, extra_info, rl_schema
 from omni_core.data.sources import RawSource
 
 # Verbatim from VeRL-Omni examples/gspo_trainer/data_process/mmk12.py (INSTRUCTION; "adapted from
@@ -44,18 +45,15 @@ USER_TEMPLATE = "<image>\n{instruction}\n\n{question}"
 RAW_COLUMNS = ["id", "question", "answer", "subject", "image"]
 _OPTION_LINE = re.compile(r"^\s*([A-E])[.)、]\s*(.+?)\s*$", re.MULTILINE)
 
-SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(MESSAGE)),
+SCHEMA = rl_schema(
     ("images", MEDIA_LIST),
     ("ability", pa.string()),
-    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-    ("extra_info", pa.struct([
-        ("split", pa.string()), ("index", pa.int64()), ("id", pa.string()), ("dataset", pa.string()),
-        ("subject", pa.string()), ("raw_question", pa.string()), ("raw_answer", pa.string()),
-        ("options", pa.string()),
-    ])),
-])
+    ("reward_model", REWARD_MODEL),
+    ("extra_info", extra_info(
+        ("id", pa.string()), ("dataset", pa.string()), ("subject", pa.string()), ("raw_question", pa.string()),
+        ("raw_answer", pa.string()), ("options", pa.string()),
+    )),
+)
 _TEXT_SCHEMA = pa.schema([f for f in SCHEMA if f.name != "images"])
 
 

@@ -15,9 +15,15 @@ from typing import Any
 
 import pyarrow as pa
 
-from omni_core.data.converter import Converter, RawRecord, RowRejected, register_converter
+from omni_core.data.converter import (
+    RawRecord,
+    RowRejected,
+    SplitFileConverter,
+    register_converter,
+    text_lines,
+)
 from omni_core.data.fixtures import register_fixture
-from omni_core.data.media import MESSAGE
+from omni_core.data.schema import MESSAGE, REWARD_MODEL, extra_info, rl_schema
 from omni_core.data.sources import RawSource
 from omni_core.errors import ConfigError, DataError
 
@@ -27,18 +33,16 @@ SYSTEM_PROMPT = ("Describe the image by detailing the color, shape, size, "
 NEGATIVE_USER_PROMPT = " "
 MODEL_FAMILIES = ("qwen_image", "sd3")
 
-SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(MESSAGE)),
+SCHEMA = rl_schema(
     ("negative_prompt", pa.list_(MESSAGE)),
     ("ability", pa.string()),
-    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
-])
+    ("reward_model", REWARD_MODEL),
+    ("extra_info", extra_info()),
+)
 
 
 @register_converter
-class OCRConverter(Converter):
+class OCRConverter(SplitFileConverter):
     """`model_family` picks the prompt template: `qwen_image` (system + user, the default) or `sd3` (user only).
 
     The pipeline config has no option for it yet, so `get_converter("ocr")` always builds qwen_image;
@@ -48,29 +52,19 @@ class OCRConverter(Converter):
     name = "ocr"
     version = "1"
     schema = SCHEMA
+    split_suffix = ".txt"
 
     def __init__(self, model_family: str = "qwen_image") -> None:
         if model_family not in MODEL_FAMILIES:
             raise ConfigError(f"ocr converter: model_family '{model_family}' is unknown; use one of {MODEL_FAMILIES}")
         self.model_family = model_family
 
-    def _file(self, raw: RawSource, split: str) -> str | None:
-        return next((rel for rel in sorted(raw.files) if rel.rsplit("/", 1)[-1] == f"{split}.txt"), None)
-
-    def splits(self, raw: RawSource) -> list[str]:
-        return [split for split in ("train", "test") if self._file(raw, split)]
-
     def records(self, raw: RawSource, split: str) -> Iterator[RawRecord]:
-        rel = self._file(raw, split)
+        rel = self.split_file(raw, split)
         if rel is None:
             raise DataError(f"{raw.uri}: {split}.txt is missing; expected flow_grpo's dataset/ocr layout")
-        try:
-            with open(raw.path(rel), encoding="utf-8") as lines:
-                for line_no, line in enumerate(lines):
-                    if line.strip():
-                        yield rel, line_no, {"text": line.rstrip("\r\n")}
-        except UnicodeDecodeError as exc:
-            raise DataError(f"{raw.uri}: {rel} is not UTF-8 text ({exc.reason}); expected one prompt per line") from exc
+        for line_no, line in text_lines(raw, rel, "one prompt per line"):
+            yield rel, line_no, {"text": line}
 
     def _messages(self, user: str) -> list[dict[str, str]]:
         system = [{"role": "system", "content": SYSTEM_PROMPT}] if self.model_family == "qwen_image" else []

@@ -30,8 +30,6 @@ import pyarrow as pa
 from omni_core.data.converter import Converter, RawRecord, RowRejected, RowSkipped, register_converter
 from omni_core.data.fixtures import register_fixture
 from omni_core.data.media import (
-    MEDIA_LIST,
-    MESSAGE,
     draw_scene,
     encode_image,
     image_problem,
@@ -41,6 +39,7 @@ from omni_core.data.media import (
     video_problem,
     wav_problem,
 )
+from omni_core.data.schema import MEDIA_LIST, MESSAGE, extra_info, rl_schema
 from omni_core.data.sources import RawSource
 
 MODALITIES = {"image": "images", "video": "videos", "audio": "audios"}  # modality -> media field / column
@@ -50,9 +49,7 @@ _CONTEXT = re.compile(r"(?:Image|Video|Audio) file:\s*(?P<media>.+?)\s+Question:
                       r"Candidate A:\s*(?P<a>.+?)\s+Candidate B:\s*(?P<b>.+?)\s*\Z", re.DOTALL)
 _MEDIA_CHECK = {"image": image_problem, "video": video_problem, "audio": wav_problem}
 
-SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(MESSAGE)),
+SCHEMA = rl_schema(
     ("chosen", MESSAGE),
     ("rejected", MESSAGE),
     ("win_score", pa.float64()),
@@ -62,12 +59,11 @@ SCHEMA = pa.schema([
     ("audios", MEDIA_LIST),
     ("ability", pa.string()),
     ("reward_model", pa.struct([("style", pa.string())])),
-    ("extra_info", pa.struct([
-        ("split", pa.string()), ("index", pa.int64()), ("sample_id", pa.string()), ("question", pa.string()),
-        ("modality", pa.string()), ("source_media", pa.string()), ("source_media_name", pa.string()),
-        ("better", pa.string()),
-    ])),
-])
+    ("extra_info", extra_info(
+        ("sample_id", pa.string()), ("question", pa.string()), ("modality", pa.string()),
+        ("source_media", pa.string()), ("source_media_name", pa.string()), ("better", pa.string()),
+    )),
+)
 
 
 def media_rel(path: str) -> str:
@@ -100,6 +96,7 @@ class OmniPreferenceConverter(Converter):
     name = "omni_preference"
     version = "1"
     schema = SCHEMA
+    preference_pairs = True
 
     def __init__(self) -> None:
         self._audio_index: tuple[tuple[Path, str], dict[str, str]] | None = None

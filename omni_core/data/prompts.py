@@ -23,18 +23,22 @@ import re
 import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pyarrow as pa
 
-from omni_core.data.converter import Converter, RawRecord, RowRejected, RowSkipped, register_converter
+from omni_core.data.converter import (
+    RawRecord,
+    RowRejected,
+    RowSkipped,
+    SplitFileConverter,
+    register_converter,
+)
 from omni_core.data.fixtures import register_fixture
-from omni_core.data.media import MESSAGE
+from omni_core.data.schema import MESSAGE, REWARD_MODEL, extra_info, rl_schema
 from omni_core.data.sources import RawSource
 from omni_core.errors import DataError
 
-REWARD_MODEL = pa.struct([("style", pa.string()), ("ground_truth", pa.string())])
-SPLIT_INDEX = pa.struct([("split", pa.string()), ("index", pa.int64())])
 _CHINESE = re.compile(r"[\u4e00-\u9fff]")  # wan22_hpsv3.py's _contains_chinese
 
 
@@ -42,19 +46,13 @@ def _control(text: str) -> bool:
     return any(unicodedata.category(c) == "Cc" and c != "\t" for c in text)
 
 
-class PromptLinesConverter(Converter):
+class PromptLinesConverter(SplitFileConverter):
     """A dataset of `{split}.txt` prompt files (found anywhere under the source by file name)."""
 
-    split_names: ClassVar[tuple[str, ...]] = ("train", "test")
-
-    def _file(self, raw: RawSource, split: str) -> str | None:
-        return next((rel for rel in sorted(raw.files) if rel.rsplit("/", 1)[-1] == f"{split}.txt"), None)
-
-    def splits(self, raw: RawSource) -> list[str]:
-        return [split for split in self.split_names if self._file(raw, split)]
+    split_suffix = ".txt"
 
     def records(self, raw: RawSource, split: str) -> Iterator[RawRecord]:
-        rel = self._file(raw, split)
+        rel = self.split_file(raw, split)
         if rel is None:
             raise DataError(f"{raw.uri}: {split}.txt is missing; expected one prompt per line in train.txt / test.txt")
         with open(raw.path(rel), "rb") as lines:
@@ -83,10 +81,8 @@ class VidPromptConverter(PromptLinesConverter):
 
     name = "vid_prompt"
     version = "1"
-    schema = pa.schema([
-        ("data_source", pa.string()), ("prompt", pa.list_(MESSAGE)), ("negative_prompt", pa.list_(MESSAGE)),
-        ("ability", pa.string()), ("reward_model", REWARD_MODEL), ("extra_info", SPLIT_INDEX),
-    ])
+    schema = rl_schema(("negative_prompt", pa.list_(MESSAGE)), ("ability", pa.string()), ("reward_model", REWARD_MODEL),
+                       ("extra_info", extra_info()))
 
     def convert(self, record: dict[str, Any], split: str, index: int, raw: RawSource) -> dict[str, Any]:
         prompt = self.prompt(record)
@@ -131,11 +127,8 @@ class PickScoreSFWConverter(PromptLinesConverter):
 
     name = "pickscore_sfw"
     version = "1"
-    schema = pa.schema([
-        ("data_source", pa.string()), ("prompt", pa.list_(MESSAGE)), ("ability", pa.string()),
-        ("reward_model", REWARD_MODEL),
-        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("raw_prompt", pa.string())])),
-    ])
+    schema = rl_schema(("ability", pa.string()), ("reward_model", REWARD_MODEL),
+                       ("extra_info", extra_info(("raw_prompt", pa.string()))))
 
     def convert(self, record: dict[str, Any], split: str, index: int, raw: RawSource) -> dict[str, Any]:
         caption = self.prompt(record)

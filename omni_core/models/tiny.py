@@ -24,6 +24,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -180,15 +181,8 @@ def _lm_recipe(seed: int) -> dict:
     return {
         "recipe_version": RECIPE_VERSION,
         "seed": seed,
-        "tokenizer": {
-            "kind": "byte-level-bpe",
-            "vocab_size": 2048,
-            "min_frequency": 2,
-            "split_pattern": _SPLIT_PATTERN,
-            "special_tokens": SPECIAL_TOKENS,
-            "chat_template": CHAT_TEMPLATE,
-            "corpus_sha256": hashlib.sha256("\n".join(lm_corpus()).encode()).hexdigest(),
-        },
+        "tokenizer": byte_bpe_spec(lm_corpus(), SPECIAL_TOKENS, split_pattern=_SPLIT_PATTERN,
+                                   chat_template=CHAT_TEMPLATE),
         "model": {
             "architecture": "Qwen3ForCausalLM",
             "hidden_size": 64,
@@ -202,6 +196,31 @@ def _lm_recipe(seed: int) -> dict:
             "dtype": "float32",
         },
     }
+
+
+def byte_bpe_spec(corpus: list[str], special_tokens: list[str], **extra: Any) -> dict:
+    """The `tokenizer` entry of a tiny model's recipe (what `byte_bpe_tokenizer` reads, plus the
+    corpus digest and the model's `extra` keys, so that any change names a new build)."""
+    return {"kind": "byte-level-bpe", "vocab_size": 2048, "min_frequency": 2, "special_tokens": special_tokens,
+            **extra, "corpus_sha256": hashlib.sha256("\n".join(corpus).encode()).hexdigest()}
+
+
+def byte_bpe_tokenizer(corpus: list[str], spec: dict, *, wrap: tuple[str, str] | None = None, **fast: Any):
+    """The tokenizer of every tiny model: a byte-level BPE trained on `corpus` with the recipe's
+    `spec` (`vocab_size`, `min_frequency`, `special_tokens`), as a `PreTrainedTokenizerFast` made with
+    `fast` (its special tokens, chat template, padding side, max length). `wrap=(bos, eos)` adds
+    `bos ... eos` around every encoded text (CLIP's style)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_byte_bpe(corpus, vocab_size=spec["vocab_size"], min_frequency=spec["min_frequency"],
+                         special_tokens=spec["special_tokens"])
+    if wrap is not None:
+        bos, eos = wrap
+        tok.post_processor = TemplateProcessing(
+            single=f"{bos} $A {eos}", special_tokens=[(bos, tok.token_to_id(bos)), (eos, tok.token_to_id(eos))]
+        )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **fast)
 
 
 def train_byte_bpe(corpus: list[str], *, vocab_size: int, min_frequency: int, special_tokens: list[str]):
@@ -231,24 +250,10 @@ def train_byte_bpe(corpus: list[str], *, vocab_size: int, min_frequency: int, sp
 
 
 def _build_tokenizer(recipe: dict):
-    from transformers import PreTrainedTokenizerFast
-
     spec = recipe["tokenizer"]
-    tok = train_byte_bpe(
-        lm_corpus(),
-        vocab_size=spec["vocab_size"],
-        min_frequency=spec["min_frequency"],
-        special_tokens=spec["special_tokens"],
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=PAD_TOKEN,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        chat_template=spec["chat_template"],
-        padding_side="left",
-        model_max_length=recipe["model"]["max_position_embeddings"],
-    )
+    return byte_bpe_tokenizer(lm_corpus(), spec, pad_token=PAD_TOKEN, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
+                              chat_template=spec["chat_template"], padding_side="left",
+                              model_max_length=recipe["model"]["max_position_embeddings"])
 
 
 def _build_model(recipe: dict, tokenizer):
@@ -293,20 +298,31 @@ def seeded_init_(model: torch.nn.Module, seed: int, std: float) -> None:
             param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
 
 
+NOT_DOWNLOADED = "Nothing was downloaded; building again gives byte-identical files."
+
+
+def model_card(name: str, intro: str, facts: list[str], recipe: dict) -> str:
+    """A tiny model's README.md: its URI as title, `intro`, one bullet per fact, the recipe as JSON."""
+    bullets = "".join(f"- {fact}\n" for fact in facts)
+    recipe_json = json.dumps(recipe, indent=2, sort_keys=True)
+    return f"# tiny://{name}\n\n{intro}\n\n{bullets}\n## Recipe\n\n```json\n{recipe_json}\n```\n"
+
+
+def toy_model_intro(module: str) -> str:
+    return (f"A toy model built locally by `{module}` for tests and CPU pipelines.\n"
+            "**Random weights, not a trained model**: its outputs are meaningless until trained.")
+
+
 def _model_card(name: str, recipe: dict, vocab_size: int) -> str:
     m = recipe["model"]
-    return (
-        f"# tiny://{name}\n\n"
-        "A toy model built locally by `omni_core.models.tiny` for tests and CPU pipelines.\n"
-        "**Random weights, not a trained model**: its outputs are meaningless until trained.\n\n"
-        f"- Architecture: {m['architecture']} (hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, "
+    return model_card(name, toy_model_intro("omni_core.models.tiny"), [
+        f"Architecture: {m['architecture']} (hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, "
         f"{m['num_attention_heads']} heads, {m['num_key_value_heads']} kv heads, tied embeddings, "
-        f"{m['dtype']}), initialised with seed {recipe['seed']}.\n"
-        f"- Tokenizer: byte-level BPE trained on a small built-in corpus, vocab {vocab_size}; "
-        f"pad `{PAD_TOKEN}`, bos `{BOS_TOKEN}`, eos `{EOS_TOKEN}`; ChatML chat template.\n"
-        "- Nothing was downloaded; building again gives byte-identical files.\n\n"
-        "## Recipe\n\n```json\n" + json.dumps(recipe, indent=2, sort_keys=True) + "\n```\n"
-    )
+        f"{m['dtype']}), initialised with seed {recipe['seed']}.",
+        f"Tokenizer: byte-level BPE trained on a small built-in corpus, vocab {vocab_size}; "
+        f"pad `{PAD_TOKEN}`, bos `{BOS_TOKEN}`, eos `{EOS_TOKEN}`; ChatML chat template.",
+        NOT_DOWNLOADED,
+    ], recipe)
 
 
 def _build_lm(name: str, recipe: dict, out: Path) -> None:

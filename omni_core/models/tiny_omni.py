@@ -25,14 +25,21 @@ Tiny-size care (the real config's defaults do not shrink on their own):
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from omni_core.models.tiny import lm_corpus, seeded_init_, train_byte_bpe
+from omni_core.models.tiny import (
+    NOT_DOWNLOADED,
+    byte_bpe_spec,
+    byte_bpe_tokenizer,
+    lm_corpus,
+    model_card,
+    seeded_init_,
+    toy_model_intro,
+)
 
 RECIPE_VERSION = 1
 
@@ -92,15 +99,8 @@ def recipe(seed: int) -> dict:
     return {
         "recipe_version": RECIPE_VERSION,
         "seed": seed,
-        "tokenizer": {
-            "kind": "byte-level-bpe",
-            "vocab_size": 2048,
-            "min_frequency": 2,
-            "special_tokens": SPECIAL_TOKENS,
-            "media_tokens": MEDIA_TOKENS,
-            "chat_template": CHAT_TEMPLATE,
-            "corpus_sha256": hashlib.sha256("\n".join(_tokenizer_corpus()).encode()).hexdigest(),
-        },
+        "tokenizer": byte_bpe_spec(_tokenizer_corpus(), SPECIAL_TOKENS, media_tokens=MEDIA_TOKENS,
+                                   chat_template=CHAT_TEMPLATE),
         "image_processor": {
             "class": "Qwen2VLImageProcessorPil",
             "patch_size": 16,
@@ -216,23 +216,9 @@ def recipe(seed: int) -> dict:
 
 def build_tokenizer(spec: dict, max_length: int):
     """Byte-level BPE with Qwen3-Omni's special tokens; `tokenizer.image_token` etc. name them."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_byte_bpe(
-        _tokenizer_corpus(),
-        vocab_size=spec["vocab_size"],
-        min_frequency=spec["min_frequency"],
-        special_tokens=spec["special_tokens"],
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=PAD_TOKEN,
-        eos_token=EOS_TOKEN,
-        extra_special_tokens=dict(spec["media_tokens"]),
-        chat_template=spec["chat_template"],
-        padding_side="left",
-        model_max_length=max_length,
-    )
+    return byte_bpe_tokenizer(_tokenizer_corpus(), spec, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
+                              extra_special_tokens=dict(spec["media_tokens"]), chat_template=spec["chat_template"],
+                              padding_side="left", model_max_length=max_length)
 
 
 def _single_token_id(tokenizer, text: str) -> int:
@@ -344,25 +330,21 @@ def _save_processor(processor, out: Path, recipe: dict) -> None:
 def _model_card(name: str, recipe: dict, params: dict[str, int], vocab: int) -> str:
     m = recipe["model"]
     t, v, a = m["text"], m["vision"], m["audio"]
-    return (
-        f"# tiny://{name}\n\n"
-        "A toy model built locally by `omni_core.models.tiny_omni` for tests and CPU pipelines.\n"
-        "**Random weights, not a trained model**: its outputs are meaningless until trained.\n\n"
-        f"- Architecture: {m['architecture']} (transformers), {m['dtype']}, seed {recipe['seed']}.\n"
-        f"- Thinker text: hidden {t['hidden_size']}, {t['num_hidden_layers']} MoE layers, "
+    return model_card(name, toy_model_intro("omni_core.models.tiny_omni"), [
+        f"Architecture: {m['architecture']} (transformers), {m['dtype']}, seed {recipe['seed']}.",
+        f"Thinker text: hidden {t['hidden_size']}, {t['num_hidden_layers']} MoE layers, "
         f"{t['num_experts']} experts (top-{t['num_experts_per_tok']}), {t['num_attention_heads']} heads, "
-        f"M-RoPE sections {t['rope_parameters']['mrope_section']} (interleaved).\n"
-        f"- Vision tower: {v['depth']} layers, hidden {v['hidden_size']}, patch {v['patch_size']}, "
-        f"merge {v['spatial_merge_size']}, deepstack {v['deepstack_visual_indexes']}.\n"
-        f"- Audio tower: {a['encoder_layers']} layers, d_model {a['d_model']}, {a['num_mel_bins']} mel bins.\n"
-        f"- Parameters: {params['total']} in all; thinker {params['thinker']}, talker {params['talker']} "
-        f"(code predictor {params['code_predictor']}), code2wav {params['code2wav']}.\n"
-        f"- Processor: Qwen3OmniMoeProcessor (Qwen2-VL image processor, PIL backend; Whisper feature "
+        f"M-RoPE sections {t['rope_parameters']['mrope_section']} (interleaved).",
+        f"Vision tower: {v['depth']} layers, hidden {v['hidden_size']}, patch {v['patch_size']}, "
+        f"merge {v['spatial_merge_size']}, deepstack {v['deepstack_visual_indexes']}.",
+        f"Audio tower: {a['encoder_layers']} layers, d_model {a['d_model']}, {a['num_mel_bins']} mel bins.",
+        f"Parameters: {params['total']} in all; thinker {params['thinker']}, talker {params['talker']} "
+        f"(code predictor {params['code_predictor']}), code2wav {params['code2wav']}.",
+        f"Processor: Qwen3OmniMoeProcessor (Qwen2-VL image processor, PIL backend; Whisper feature "
         f"extractor, 16 kHz); byte-level BPE tokenizer, vocab {vocab}, with Qwen3-Omni's media tokens "
-        f"{', '.join(f'`{t}`' for t in MEDIA_TOKENS.values())}; ChatML chat template.\n"
-        "- Nothing was downloaded; building again gives byte-identical files.\n\n"
-        "## Recipe\n\n```json\n" + json.dumps(recipe, indent=2, sort_keys=True) + "\n```\n"
-    )
+        f"{', '.join(f'`{t}`' for t in MEDIA_TOKENS.values())}; ChatML chat template.",
+        NOT_DOWNLOADED,
+    ], recipe)
 
 
 def build(name: str, recipe: dict, out: Path) -> None:

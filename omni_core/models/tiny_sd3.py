@@ -14,14 +14,20 @@ Weights are random (`seeded_init_`); building again gives byte-identical files.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
 
 from omni_core.models.diffusion import PIPELINE_FILE
-from omni_core.models.tiny import lm_corpus, seeded_init_, train_byte_bpe
+from omni_core.models.tiny import (
+    NOT_DOWNLOADED,
+    byte_bpe_spec,
+    byte_bpe_tokenizer,
+    lm_corpus,
+    model_card,
+    seeded_init_,
+)
 
 RECIPE_VERSION = 1
 
@@ -53,13 +59,7 @@ def recipe(seed: int) -> dict:
         "sample_size": 32,
         "channels": 3,
         "max_text_length": 64,
-        "tokenizer": {
-            "kind": "byte-level-bpe",
-            "vocab_size": 2048,
-            "min_frequency": 2,
-            "special_tokens": [BOS_TOKEN, EOS_TOKEN],
-            "corpus_sha256": hashlib.sha256("\n".join(_tokenizer_corpus()).encode()).hexdigest(),
-        },
+        "tokenizer": byte_bpe_spec(_tokenizer_corpus(), [BOS_TOKEN, EOS_TOKEN]),
         "text_encoder": {
             "architecture": "CLIPTextModelWithProjection",
             "hidden_size": 32,
@@ -84,28 +84,9 @@ def recipe(seed: int) -> dict:
 
 
 def build_tokenizer(recipe: dict):
-    from tokenizers.processors import TemplateProcessing
-    from transformers import PreTrainedTokenizerFast
-
-    spec = recipe["tokenizer"]
-    tok = train_byte_bpe(
-        _tokenizer_corpus(),
-        vocab_size=spec["vocab_size"],
-        min_frequency=spec["min_frequency"],
-        special_tokens=spec["special_tokens"],
-    )
-    bos, eos = tok.token_to_id(BOS_TOKEN), tok.token_to_id(EOS_TOKEN)
-    tok.post_processor = TemplateProcessing(
-        single=f"{BOS_TOKEN} $A {EOS_TOKEN}", special_tokens=[(BOS_TOKEN, bos), (EOS_TOKEN, eos)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        padding_side="right",
-        model_max_length=recipe["max_text_length"],
-    )
+    return byte_bpe_tokenizer(_tokenizer_corpus(), recipe["tokenizer"], wrap=(BOS_TOKEN, EOS_TOKEN),
+                              bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, padding_side="right",
+                              model_max_length=recipe["max_text_length"])
 
 
 def _build_text_encoder(recipe: dict, tokenizer):
@@ -149,23 +130,21 @@ def _model_card(name: str, recipe: dict, params: dict[str, int], vocab: int) -> 
     t, te = recipe["transformer"], recipe["text_encoder"]
     size = recipe["sample_size"]
     tokens = (size // t["patch_size"]) ** 2
-    return (
-        f"# tiny://{name}\n\n"
-        "A toy text-to-image model built locally by `omni_core.models.tiny_sd3` for tests and CPU "
-        "pipelines.\n**Random weights, not a trained model**: its images are noise until trained.\n\n"
-        f"- **Pixel space**: the transformer denoises {size}x{size} RGB images in [-1, 1] directly; "
-        "there is no VAE, so image rewards score the very pixels it produced.\n"
-        f"- Transformer: diffusers SD3Transformer2DModel, {t['num_layers']} joint blocks (dual attention "
+    intro = ("A toy text-to-image model built locally by `omni_core.models.tiny_sd3` for tests and CPU "
+             "pipelines.\n**Random weights, not a trained model**: its images are noise until trained.")
+    return model_card(name, intro, [
+        f"**Pixel space**: the transformer denoises {size}x{size} RGB images in [-1, 1] directly; "
+        "there is no VAE, so image rewards score the very pixels it produced.",
+        f"Transformer: diffusers SD3Transformer2DModel, {t['num_layers']} joint blocks (dual attention "
         f"in {t['dual_attention_layers']}, q/k {t['qk_norm']}), {t['num_attention_heads']} heads x "
         f"{t['attention_head_dim']}, patch {t['patch_size']} ({tokens} image tokens), "
-        f"{params['transformer']} parameters.\n"
-        f"- Scheduler: FlowMatchEulerDiscreteScheduler, shift {recipe['scheduler']['shift']}.\n"
-        f"- Text encoder: CLIPTextModelWithProjection (hidden {te['hidden_size']}, {te['num_hidden_layers']} "
+        f"{params['transformer']} parameters.",
+        f"Scheduler: FlowMatchEulerDiscreteScheduler, shift {recipe['scheduler']['shift']}.",
+        f"Text encoder: CLIPTextModelWithProjection (hidden {te['hidden_size']}, {te['num_hidden_layers']} "
         f"layers, projection {te['projection_dim']}), {params['text_encoder']} parameters; prompts padded "
-        f"to {recipe['max_text_length']} tokens; byte-level BPE tokenizer, vocab {vocab}.\n"
-        f"- Seed {recipe['seed']}. Nothing was downloaded; building again gives byte-identical files.\n\n"
-        "## Recipe\n\n```json\n" + json.dumps(recipe, indent=2, sort_keys=True) + "\n```\n"
-    )
+        f"to {recipe['max_text_length']} tokens; byte-level BPE tokenizer, vocab {vocab}.",
+        f"Seed {recipe['seed']}. {NOT_DOWNLOADED}",
+    ], recipe)
 
 
 def build(name: str, recipe: dict, out: Path) -> None:

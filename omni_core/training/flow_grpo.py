@@ -42,6 +42,7 @@ from pydantic import ConfigDict, Field
 from torch import Tensor
 
 from omni_core.algorithms.flow_grpo import flow_grpo_advantages, flow_grpo_loss, flow_sde_step
+from omni_core.config.models import RLStage
 from omni_core.errors import ConfigError, DataError, ModelError
 from omni_core.models.diffusion import PromptEmbeds, SD3Model
 from omni_core.rewards import resolve_reward, score_batch
@@ -58,6 +59,7 @@ __all__ = [
     "DiffusionRollout",
     "FlowGRPOConfig",
     "FlowGRPOTrainer",
+    "build_trainer",
     "policy_update",
     "prompt_text",
     "reference_policy",
@@ -338,11 +340,12 @@ class FlowGRPOTrainer(TrainerState):
     without it the trainable parameters train and the reference is a frozen copy of the start.
     """
 
-    def __init__(self, config: FlowGRPOConfig, model: SD3Model, rows: Sequence[dict[str, Any]], seed: int):
+    def __init__(self, config: FlowGRPOConfig, rows: Sequence[dict[str, Any]], seed: int, *, model: SD3Model,
+                 text_io: Any = None):
         if not rows:
             raise DataError("FlowGRPO got no prompt rows; check the stage's dataset and split")
         self.config, self.model, self.rows, self.seed = config, model, list(rows), seed
-        self.text_io: Any = None  # what a checkpoint saves beside the weights (the factory sets the tokenizer)
+        self.text_io = text_io  # what a checkpoint saves beside the weights (the SD3 tokenizer)
         self.reward = resolve_reward(config.reward)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
@@ -409,3 +412,13 @@ class FlowGRPOTrainer(TrainerState):
             guidance_scale=cfg.guidance_scale, negative_prompt=cfg.negative_prompt,
         )
         return score_images(batch.images, rows, self.reward), batch.images
+
+
+def build_trainer(stage: RLStage, rows: list[dict[str, Any]], seed: int, *, model: SD3Model, text_io: Any,
+                  rollout: bool = True) -> FlowGRPOTrainer:
+    """The flow_grpo record's trainer: the stage's `algorithm:` options plus its trainer, rollout and
+    reward keys (the construction convention: omni_core.training.trainer)."""
+    t = stage.trainer
+    config = FlowGRPOConfig(**stage.algorithm.model_dump(), group_size=stage.rollout.n, prompts_per_step=t.batch_size,
+                            lr=t.lr, max_grad_norm=t.max_grad_norm, ppo_epochs=t.ppo_epochs, reward=stage.reward.name)
+    return FlowGRPOTrainer(config, rows, seed, model=model, text_io=text_io)

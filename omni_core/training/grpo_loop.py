@@ -68,14 +68,14 @@ from omni_core.training.trainer import TrainerState
 
 Batch = RolloutBatch  # the name this module used before the components were split out
 
-__all__ = ["Batch", "GRPOTrainer", "PromptCursor"]
+__all__ = ["Batch", "GRPOTrainer", "PromptCursor", "build_trainer"]
 
 
 class GRPOTrainer(TrainerState):
     """`step()` runs one GRPO/GSPO step and returns verl-named metrics.
 
     The policy is `stage.model` loaded with `seed`, unless a warm-started `model` and its
-    `tokenizer` are given (e.g. after SFT); they are trained in place. `tokenizer` may be a multimodal
+    `text_io` (tokenizer) are given (e.g. after SFT); they are trained in place. `text_io` may be a multimodal
     processor (what `load_model` returns for Qwen3-Omni): the rows' images and audio then reach the model.
     """
 
@@ -84,12 +84,12 @@ class GRPOTrainer(TrainerState):
     recompute_old_logp = False
 
     def __init__(self, stage: RLStage, rows: list[dict[str, Any]], seed: int, *,
-                 model: torch.nn.Module | None = None, tokenizer: Any = None, rollout: bool = True):
+                 model: torch.nn.Module | None = None, text_io: Any = None, rollout: bool = True):
         self.stage, self.rows, self.seed = stage, rows, seed
         torch.manual_seed(seed)
         if model is None:
-            model, tokenizer = load_model(stage.model, seed=seed)
-        self.model, self.tokenizer = model, tokenizer
+            model, text_io = load_model(stage.model, seed=seed)
+        self.model, self.tokenizer = model, text_io
         self.model.train()
         self.reference = make_reference(self.model) if stage.algorithm.kl_beta > 0 else None
         self.optimizer = build_optimizer(self.model, stage.trainer.lr)
@@ -205,3 +205,9 @@ class GRPOTrainer(TrainerState):
             **({"timing_s/ref": t_ref} if algo.kl_beta > 0 else {}),
             "timing_s/update_actor": t_update,
         }
+
+
+def build_trainer(stage: RLStage, rows: list[dict[str, Any]], seed: int, *, model: torch.nn.Module, text_io: Any,
+                  rollout: bool = True) -> GRPOTrainer:
+    """The grpo/gspo record's trainer (the construction convention: omni_core.training.trainer)."""
+    return GRPOTrainer(stage, rows, seed, model=model, text_io=text_io, rollout=rollout)

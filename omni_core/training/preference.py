@@ -34,6 +34,7 @@ from omni_core.algorithms.preference import (
     sequence_logps,
     sft_loss,
 )
+from omni_core.config.models import RLStage
 from omni_core.models import token_logprobs
 from omni_core.training.algorithms.preference import PreferenceOptions
 from omni_core.training.components import (
@@ -207,8 +208,8 @@ class PreferenceTrainer(TrainerState):
     """DPO/MPO on preference rows: `step()` trains on one single-modality batch; `validate()` scores
     every held-out pair. With `reference=None` the reference is `make_reference(model)`."""
 
-    def __init__(self, model: torch.nn.Module, text_io: Any, train_rows: Sequence[Row], config: PreferenceConfig,
-                 *, seed: int, reference: torch.nn.Module | None = None):
+    def __init__(self, config: PreferenceConfig, train_rows: Sequence[Row], seed: int, *, model: torch.nn.Module,
+                 text_io: Any, reference: torch.nn.Module | None = None):
         self.model, self.text_io, self.config = model, text_io, config
         self.train_rows = list(train_rows)
         self.reference = reference if reference is not None else make_reference(model)
@@ -246,3 +247,13 @@ class PreferenceTrainer(TrainerState):
         finally:
             self.model.train(was_training)
         return means.result("val")
+
+
+def build_trainer(stage: RLStage, rows: list[dict[str, Any]], seed: int, *, model: torch.nn.Module, text_io: Any,
+                  rollout: bool = True) -> PreferenceTrainer:
+    """The dpo/mpo record's trainer: the stage's `algorithm:` options plus its trainer keys (the
+    construction convention: omni_core.training.trainer; no rollout)."""
+    t = stage.trainer
+    config = PreferenceConfig(**stage.algorithm.model_dump(), lr=t.lr, batch_size=t.batch_size,
+                              total_steps=t.total_steps, max_grad_norm=t.max_grad_norm)
+    return PreferenceTrainer(config, rows, seed, model=model, text_io=text_io)

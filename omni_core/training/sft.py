@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from omni_core.algorithms import sft_loss
-from omni_core.config.models import TrainerConfig
+from omni_core.config.models import RLStage, TrainerConfig
 from omni_core.errors import DataError
 from omni_core.models import sequence_logprobs
 from omni_core.training.components import (
@@ -92,9 +92,9 @@ def sft_step_loss(model: torch.nn.Module, batch: SFTBatch) -> Tensor:
 class SFTTrainer(TrainerState):
     """`step()` trains on the next `trainer.batch_size` examples and returns verl's SFT metrics."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, examples: Sequence[SFTExample],
-                 trainer: TrainerConfig, seed: int):
-        self.model, self.tokenizer, self.examples, self.trainer = model, tokenizer, list(examples), trainer
+    def __init__(self, trainer: TrainerConfig, examples: Sequence[SFTExample], seed: int, *,
+                 model: torch.nn.Module, text_io: Any):
+        self.model, self.tokenizer, self.examples, self.trainer = model, text_io, list(examples), trainer
         self.model.train()
         self.optimizer = build_optimizer(model, trainer.lr)
         self.cursor = PromptCursor(len(self.examples), seed)
@@ -115,3 +115,12 @@ class SFTTrainer(TrainerState):
     def fit(self) -> list[dict[str, float]]:
         """`trainer.total_steps` steps; the metrics of each."""
         return [self.step() for _ in range(self.trainer.total_steps)]
+
+
+def build_trainer(stage: RLStage, rows: list[dict[str, Any]], seed: int, *, model: torch.nn.Module, text_io: Any,
+                  rollout: bool = True) -> SFTTrainer:
+    """The sft record's trainer: each row's prompt and its `algorithm.response` (the construction
+    convention: omni_core.training.trainer; no rollout)."""
+    pick = stage.algorithm.response
+    return SFTTrainer(stage.trainer, examples_from_rows(rows, lambda row: row_response(row, pick)), seed,
+                      model=model, text_io=text_io)

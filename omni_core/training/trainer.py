@@ -8,6 +8,21 @@
                                        a checkpoint holds only the trainable ones)
 
 `TrainerState` implements the last two from `optimizer` and `global_step`; the trainers inherit it.
+
+Construction, the same for every algorithm: the trainer's module has the factory its algorithm record
+names (`"omni_core.training.sft:build_trainer"`), and the trainer class takes the same things in the
+same order, the stage turned into the trainer's settings:
+
+    build_trainer(stage, rows, seed, *, model, text_io, rollout=True) -> Trainer
+    SomeTrainer(config, rows, seed, *, model, text_io)
+
+`stage`: the training stage (RLStage); `rows`: the dataset rows it trains on; `seed`: the run's seed;
+`model` and `text_io`: the loaded model (trained in place) and its tokenizer or processor;
+`rollout=False`: no own rollout engine (separate_async rollout workers feed `learn`; trainers without
+a rollout ignore it). `config` is the stage itself for GRPO (`GRPOTrainer(stage, ...)`, which also
+takes `rollout`), the algorithm's options plus the stage keys it reads for the others
+(`PreferenceConfig`, `FlowGRPOConfig`, the stage's `TrainerConfig` for SFT, whose rows are
+(prompt, response) examples).
 """
 
 from __future__ import annotations

@@ -30,13 +30,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from omni_core.data.ingest import MANIFEST, load_version
+from omni_core.data.schema import MESSAGE
 from omni_core.errors import DataError, ModelError
 from omni_core.storage import Store, file_digest
 from omni_core.storage.local_copy import download_prefix, materialise
 
 EXPORT_VERSION = "1"  # bump when the exported bytes change for the same inputs
 Layout = Literal["rl", "sft"]
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ import pyarrow.parquet as pq
 from omni_core.backends.jobs.export import export_files, matching_export, replace_folder
 from omni_core.backends.verl_omni.catalog import get_recipe
 from omni_core.data.ingest import MANIFEST, load_version
-from omni_core.data.media import MESSAGE
+from omni_core.data.schema import MESSAGE
 from omni_core.errors import ConfigError
 from omni_core.storage import Store, file_digest
 

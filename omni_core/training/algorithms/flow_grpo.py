@@ -4,7 +4,7 @@ denoising step (defaults: flow_grpo's SD3 OCR recipe where it has one)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
@@ -37,20 +37,11 @@ class FlowGRPOOptions(AlgorithmOptions):
         return max(1, int(self.num_steps * self.timestep_fraction))
 
 
-def build_flow_grpo_trainer(stage: Any, rows: list[dict[str, Any]], seed: int, *, model: Any, text_io: Any,
-                            rollout: bool = True) -> Any:
-    from omni_core.training.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
-
-    t = stage.trainer
-    config = FlowGRPOConfig(**stage.algorithm.model_dump(), group_size=stage.rollout.n, prompts_per_step=t.batch_size,
-                            lr=t.lr, max_grad_norm=t.max_grad_norm, ppo_epochs=t.ppo_epochs, reward=stage.reward.name)
-    trainer = FlowGRPOTrainer(config, model, rows, seed)
-    trainer.text_io = text_io
-    return trainer
+# the trainer module imports this one (for the options), never the reverse: named, resolved when a stage runs
 
 
 register_algorithm(Algorithm(
-    name="flow_grpo", options=FlowGRPOOptions, trainer=f"{__name__}:build_flow_grpo_trainer",
+    name="flow_grpo", options=FlowGRPOOptions, trainer="omni_core.training.flow_grpo:build_trainer",
     data=DIFFUSION_PROMPTS, model_kind=DIFFUSION_MODEL,
     stage_keys={"trainer": ("total_steps", "batch_size", "lr", "max_grad_norm", "ppo_epochs"), "rollout": ("n",),
                 "reward": ("name",)},

@@ -6,7 +6,7 @@ them, group-normalise the advantages, PPO-clip update (`omni_core.training.grpo_
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -41,15 +41,11 @@ class PolicyGradientOptions(AlgorithmOptions):
         return name
 
 
-def build_grpo_trainer(stage: Any, rows: list[dict[str, Any]], seed: int, *, model: Any, text_io: Any,
-                       rollout: bool = True) -> Any:
-    from omni_core.training.grpo_loop import GRPOTrainer
-
-    return GRPOTrainer(stage, rows, seed, model=model, tokenizer=text_io, rollout=rollout)
+# the trainer module imports this one (for the options), never the reverse: named, resolved when a stage runs
 
 
 GRPO = register_algorithm(Algorithm(
-    name="grpo", options=PolicyGradientOptions, trainer=f"{__name__}:build_grpo_trainer", data=PROMPTS,
+    name="grpo", options=PolicyGradientOptions, trainer="omni_core.training.grpo_loop:build_trainer", data=PROMPTS,
     model_kind=LANGUAGE_MODEL, more_names="omni_core.algorithms.policy_loss:policy_loss_names",
     separate_async=True, stage_keys={"trainer": ALL, "rollout": ALL, "reward": ALL},
     progress=(("critic/score/mean", "score"), ("actor/pg_loss", "pg_loss"), ("response_length/mean", "len")),

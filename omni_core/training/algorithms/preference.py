@@ -4,7 +4,7 @@ term for MPO. Loss types are resolved through `omni_core.algorithms.preference`'
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -71,21 +71,14 @@ class PreferenceOptions(AlgorithmOptions):
         return self
 
 
-def build_preference_trainer(stage: Any, rows: list[dict[str, Any]], seed: int, *, model: Any, text_io: Any,
-                             rollout: bool = True) -> Any:
-    from omni_core.training.preference import PreferenceConfig, PreferenceTrainer
-
-    t = stage.trainer
-    config = PreferenceConfig(**stage.algorithm.model_dump(), lr=t.lr, batch_size=t.batch_size,
-                              total_steps=t.total_steps, max_grad_norm=t.max_grad_norm)
-    return PreferenceTrainer(model, text_io, rows, config, seed=seed)
+# the trainer module imports this one (for the options), never the reverse: named, resolved when a stage runs
 
 
 _TRAINER_KEYS = ("total_steps", "batch_size", "lr", "max_grad_norm")
 _DEFAULTS = {"trainer.lr": 1e-3, "trainer.batch_size": 8}
 for _name in ("dpo", "mpo"):
     register_algorithm(Algorithm(
-        name=_name, options=PreferenceOptions, trainer=f"{__name__}:build_preference_trainer", data=PAIRS,
+        name=_name, options=PreferenceOptions, trainer="omni_core.training.preference:build_trainer", data=PAIRS,
         model_kind=LANGUAGE_MODEL,
         stage_keys={"trainer": _TRAINER_KEYS}, defaults=_DEFAULTS,
         progress=((f"actor/{_name}_loss", "loss"), ("actor/reward_accuracy", "reward_acc"),

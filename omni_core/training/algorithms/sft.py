@@ -8,7 +8,7 @@ The stage kind `sft` runs it; the response of a row is picked by `response`:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
@@ -27,17 +27,11 @@ class SFTOptions(AlgorithmOptions):
         "auto", description="Which field of a row is the target response (module docstring).")
 
 
-def build_sft_trainer(stage: Any, rows: list[dict[str, Any]], seed: int, *, model: Any, text_io: Any,
-                      rollout: bool = True) -> Any:
-    from omni_core.training.sft import SFTTrainer, examples_from_rows, row_response
-
-    pick = stage.algorithm.response
-    return SFTTrainer(model, text_io, examples_from_rows(rows, lambda row: row_response(row, pick)),
-                      stage.trainer, seed=seed)
+# the trainer module imports this one (for the options), never the reverse: named, resolved when a stage runs
 
 
 register_algorithm(Algorithm(
-    name="sft", options=SFTOptions, trainer=f"{__name__}:build_sft_trainer", data=SUPERVISED,
+    name="sft", options=SFTOptions, trainer="omni_core.training.sft:build_trainer", data=SUPERVISED,
     model_kind=LANGUAGE_MODEL,
     stage_keys={"trainer": ("total_steps", "batch_size", "lr", "max_grad_norm", "max_prompt_tokens")},
     defaults={"trainer.lr": 3e-3, "trainer.batch_size": 32},

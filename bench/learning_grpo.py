@@ -1,6 +1,7 @@
 """Learning curves: an SFT warm start, then GRPO or GSPO, with held-out evaluation along the way.
 
-The recipe behind `tests/test_learning_grpo.py` and `bench/learning.py`, read top to bottom:
+The recipe behind `tests/test_learning_grpo.py`, `bench/learning.py --algo grpo,gspo` and
+`bench/old_logprobs.py`, read top to bottom:
 
 1. rows: the `digits` fixture (rotate a 4-digit number, `omni_core.data.digits`), converted to
    verl RL rows; the train split trains, the test split (numbers never seen in training) evaluates;
@@ -116,7 +117,7 @@ def warm_start(setup: LearningSetup, train_rows: list[dict[str, Any]]) -> tuple[
     model, tokenizer = load_model(setup.model, seed=setup.seed)
     examples = examples_from_rows(train_rows, lambda row: row["reward_model"]["ground_truth"])
     cfg = TrainerConfig(total_steps=setup.sft_steps, batch_size=setup.sft_batch_size, lr=setup.sft_lr)
-    metrics = SFTTrainer(model, tokenizer, examples, cfg, seed=setup.seed).fit()
+    metrics = SFTTrainer(cfg, examples, setup.seed, model=model, text_io=tokenizer).fit()
     return model, tokenizer, metrics
 
 
@@ -136,7 +137,7 @@ def learning_curve(algorithm: str, setup: LearningSetup, model: Any, tokenizer: 
     curve = LearningCurve(algorithm)
     wall, cpu = time.perf_counter(), time.process_time()
     trainer = GRPOTrainer(setup.stage(algorithm), train_rows, setup.seed, model=copy.deepcopy(model),
-                          tokenizer=tokenizer)
+                          text_io=tokenizer)
 
     def measure() -> None:
         sampled, greedy = held_out_reward(setup, trainer.model, tokenizer, val_rows)
