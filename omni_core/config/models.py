@@ -25,7 +25,7 @@ from pydantic import (
 
 from omni_core.backends.verl.options import VerlBackend
 from omni_core.backends.verl_omni.options import VerlOmniBackend
-from omni_core.config.names import check_name, source_problem
+from omni_core.config.names import check_env_name, check_name, check_relative_store_path, source_problem
 
 
 class Strict(BaseModel):
@@ -43,6 +43,11 @@ class RayConfig(Strict):
     env_vars: list[str] = Field(
         default_factory=list, description="Names of more environment variables the driver hands to the actors "
                                           "(besides the store's and the tracking server's; see omni_core.training.ray_env).")
+
+    @field_validator("env_vars")
+    @classmethod
+    def _env_names(cls, value: list[str]) -> list[str]:
+        return [check_env_name(name, "ray.env_vars:") for name in value]
 
     @model_serializer(mode="wrap")
     def _dump_without_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -198,6 +203,11 @@ class CheckpointConfig(Strict):
                             "resume_path: from resume_from_path.")
     resume_from_path: str | None = Field(None, description="A global_step_N folder (store key or URI) for resume_path.")
     force_resume: bool = Field(False, description="Resume from a checkpoint written with a different config digest.")
+
+    @field_validator("resume_from_path")
+    @classmethod
+    def _inside_the_store(cls, value: str | None) -> str | None:
+        return value if value is None else check_relative_store_path(value, "resume_from_path")
 
     @model_validator(mode="after")
     def _path_with_mode(self) -> CheckpointConfig:

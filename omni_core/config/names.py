@@ -14,6 +14,7 @@ from urllib.parse import parse_qs, urlparse
 NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
 MAX_NAME_LENGTH = 128
 _NAME = re.compile(NAME_PATTERN)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 # Hugging Face repo ids (huggingface_hub's validate_repo_id): ORG/NAME, no `..` or `--`, at most 96 chars.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -38,6 +39,23 @@ def check_name(value: str, what: str) -> str:
     """`value` if it is a usable name, else ValueError (pydantic reports it under the key)."""
     if problem := name_problem(value, what):
         raise ValueError(problem)
+    return value
+
+
+def check_env_name(value: str, what: str) -> str:
+    """`value` if it is an environment variable name (POSIX: letters, digits, '_', not starting with a
+    digit), else ValueError."""
+    if not _ENV_NAME.match(value):
+        raise ValueError(f"{what} {value!r} is not an environment variable name: use letters, digits and '_', "
+                         "not starting with a digit")
+    return value
+
+
+def check_relative_store_path(value: str, what: str) -> str:
+    """`value` (a store key or a URI) if no part of its path is `..`, else ValueError."""
+    path = urlparse(value).path if "://" in value else value
+    if ".." in path.replace("\\", "/").split("/"):
+        raise ValueError(f"{what} {value!r} climbs out with '..'; give the folder's own key or URI")
     return value
 
 

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 
 from omni_core.data.sources import RawSource
 from omni_core.errors import DataError
+from omni_core.media_limits import MediaLimits
 from omni_core.registry import Registry
 
 
@@ -43,6 +44,7 @@ class Converter:
     name: ClassVar[str]
     version: ClassVar[str]
     schema: ClassVar[pa.Schema]
+    limits: MediaLimits = MediaLimits()  # the dataset's media limits: ingest sets them; rows over one are rejected
 
     def splits(self, raw: RawSource) -> list[str]:
         """The output splits this raw source holds (empty: the source is not this dataset's layout)."""

@@ -28,6 +28,7 @@ from omni_core.errors import ConfigError
 from omni_core.lineage import log_dataset_version
 from omni_core.lineage.models import checkpoint_models
 from omni_core.lineage.training import log_training_result, log_training_start
+from omni_core.media_limits import MediaLimits
 from omni_core.pipeline.report import curve_png
 from omni_core.pipeline.stages import register_stage
 from omni_core.pipeline.stages.build_images import upstream_images
@@ -219,6 +220,7 @@ def run_rl(ctx: Any) -> dict[str, Any]:
             pipeline=ctx.config.name, stage=stage, seed=ctx.config.seed, store=ctx.store,
             shard_keys=dv.shard_keys(split), dataset_version=dv.version, ray_config=ctx.config.ray,
             tracking_uri=ctx.tracker.tracking_uri, mlflow_run_id=ctx.mlflow_run_id, progress=ctx.progress,
+            media_limits=MediaLimits.of(ctx.config.datasets.get(key)),
         )
     ctx.on_step(total, total)
     outputs = {"run_key": result.run_key, "global_step": result.global_step, "checkpoint_uri": result.checkpoint_uri,
