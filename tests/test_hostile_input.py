@@ -103,6 +103,7 @@ GOOD_DATASET = '{source: "fixtures://gsm8k?rows=8", converter: gsm8k}'
     (["stages.register.model_name=a' or name='b"], "registered model name \"a' or name='b\" is not a name"),
     (["name=../pipeline"], "name: String should match pattern"),
     (["stages.rl.name=../rl"], "String should match pattern"),
+    ([f"name={'p' * 129}"], "name: String should have at most 128 characters"),
 ])
 def test_names_that_become_paths_are_refused_at_validate_time(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -354,3 +355,18 @@ def test_verl_overrides_reach_the_ray_job_as_single_shell_words(tmp_path: Path) 
     assert not list(tmp_path.glob("pwned*"))
     printed = result.stdout.splitlines()[-1]
     assert all(item in printed for item in hostile)
+
+
+@pytest.mark.parametrize(("name", "source", "message"), [
+    ("../x", "fixtures://gsm8k?rows=8", "ingest ../x: dataset name '../x' is not a name"),
+    ("a/b", "fixtures://gsm8k?rows=8", "dataset name 'a/b' is not a name"),
+    ("gsm8k", "hf://../x", "ingest gsm8k: source: 'hf://../x': hf:// takes a Hugging Face dataset id"),
+])
+def test_omni_ingest_checks_its_name_and_source_as_a_pipeline_would(tmp_path: Path, name: str, source: str,
+                                                                     message: str) -> None:
+    """`omni ingest NAME --source URI` refuses before it starts Prefect or writes anything."""
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "ingest", name, "--source", source, "--converter",
+                             "gsm8k", "--store", str(tmp_path / "store")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*"))

@@ -10,7 +10,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from omni_core.config.models import PipelineConfig
+from omni_core.config.models import DatasetConfig, PipelineConfig
+from omni_core.config.names import name_problem
 from omni_core.errors import ConfigError
 
 
@@ -130,6 +131,19 @@ def validate_pipeline(data: dict[str, Any], source: str = "<pipeline>") -> Pipel
         return PipelineConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigValidationError(source, [_format_error(err, data) for err in exc.errors()]) from None
+
+
+def validate_dataset(name: str, data: dict[str, Any]) -> DatasetConfig:
+    """One dataset given outside a pipeline file (`omni ingest NAME --source URI`), checked as the
+    pipeline's `datasets.NAME` is; a ConfigError naming the first problem otherwise."""
+    errors = [problem] if (problem := name_problem(name, "dataset name")) else []
+    try:
+        config = DatasetConfig.model_validate(data)
+    except ValidationError as exc:
+        errors += [f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()]
+    if errors:
+        raise ConfigError(f"ingest {name}: {'; '.join(errors)}")
+    return config
 
 
 def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:

@@ -25,7 +25,14 @@ from pydantic import (
 
 from omni_core.backends.verl.options import VerlBackend
 from omni_core.backends.verl_omni.options import VerlOmniBackend
-from omni_core.config.names import check_env_name, check_name, check_relative_store_path, source_problem
+from omni_core.config.names import (
+    MAX_NAME_LENGTH,
+    NAME_PATTERN,
+    check_env_name,
+    check_name,
+    check_relative_store_path,
+    source_problem,
+)
 
 
 class Strict(BaseModel):
@@ -101,7 +108,7 @@ MEDIA_LIMIT_KEYS = ("max_image_pixels", "max_audio_seconds", "max_video_seconds"
 
 
 class StageBase(Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH)
     after: list[str] = Field(default_factory=list, description="Stages that must finish first.")
 
     @field_validator("data", check_fields=False)
@@ -608,7 +615,7 @@ Stage = Annotated[AnyStage, Field(discriminator="kind")]
 
 
 class PipelineConfig(Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH)
     store: str = ".omni/store"
     tracking_uri: str = "sqlite:///.omni/mlflow.db"
     ray: RayConfig = Field(default_factory=RayConfig)
