@@ -370,3 +370,14 @@ def test_omni_ingest_checks_its_name_and_source_as_a_pipeline_would(tmp_path: Pa
                             timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*"))
+
+
+@pytest.mark.parametrize("entry_point", ["verl_omni.main; touch pwned", "-c", "$(id)", "a..b", "../x"])
+def test_a_verl_omni_entry_point_is_a_module_name(entry_point: str) -> None:
+    from pydantic import ValidationError
+
+    from omni_core.backends.verl_omni.options import VerlOmniBackend
+
+    with pytest.raises(ValidationError, match="is not a Python module name"):
+        VerlOmniBackend(entry_point=entry_point, shared_dir="/tmp/shared")
+    assert VerlOmniBackend(entry_point="verl_omni.trainer.main_omni", shared_dir="/tmp/shared").entry_point

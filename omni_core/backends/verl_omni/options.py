@@ -10,6 +10,7 @@ written here directly, as `omni recipes show` prints them; the stage's own keys 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -43,6 +44,15 @@ class VerlOmniBackend(RecipeOptions):
         if not value.strip():
             raise ValueError("backend.shared_dir is empty; give a path every Ray node sees")
         return os.path.abspath(os.path.expanduser(value))
+
+    @field_validator("entry_point")
+    @classmethod
+    def _module_name(cls, value: str | None) -> str | None:
+        """It becomes `python -m MODULE` in the Ray Job's shell line: a dotted module name and nothing else."""
+        if value is not None and not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", value):
+            raise ValueError(f"backend.entry_point {value!r} is not a Python module name (e.g. "
+                             "verl_omni.trainer.main_omni)")
+        return value
 
     @model_validator(mode="after")
     def _recipe_or_entry_point(self) -> VerlOmniBackend:
