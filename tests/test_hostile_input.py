@@ -180,6 +180,8 @@ def test_an_override_given_twice_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"override 'seed=2': seed is already set by 'seed=1'; give each key once"):
         apply_overrides({"seed": 0}, ["seed=1", "seed=2"])
     assert apply_overrides({"a": {}}, ["a.b=1", "a.c=2"]) == {"a": {"b": 1, "c": 2}}
+    with pytest.raises(ConfigError, match=r"override 'a=\{b: 1, b: 2\}': key 'b' appears twice in one mapping; keep one"):
+        apply_overrides({}, ["a={b: 1, b: 2}"])
 
 
 # ---- media over the limits: declared sizes, read without decoding ----------------------------------

@@ -90,7 +90,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override '{override}': {path} is already set by '{given[path]}'; give each key once")
         given[path] = override
         try:
-            value = yaml.safe_load(raw_value) if raw_value != "" else ""
+            value = yaml.load(raw_value, Loader=_UniqueKeyLoader) if raw_value != "" else ""
+        except DuplicateKeyError as exc:
+            raise ConfigError(f"override '{override}': {exc.args[0].split(' (line')[0]}; keep one") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"override '{override}': value is not valid YAML; quote it") from exc
         keys = path.split(".")
