@@ -383,3 +383,13 @@ def test_a_verl_omni_entry_point_is_a_module_name(entry_point: str) -> None:
     with pytest.raises(ValidationError, match="is not a Python module name"):
         VerlOmniBackend(entry_point=entry_point, shared_dir="/tmp/shared")
     assert VerlOmniBackend(entry_point="verl_omni.trainer.main_omni", shared_dir="/tmp/shared").entry_point
+
+
+def test_an_image_spec_with_a_key_twice_is_refused(tmp_path: Path) -> None:
+    from omni_core.images.errors import ImageBuildError
+    from omni_core.images.spec import load_spec
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("target: a\ndockerfile: Dockerfile\ncontext: .\ntarget: b\n")
+    with pytest.raises(ImageBuildError, match=r"key 'target' appears twice in one mapping \(line 1 and line 4\)"):
+        load_spec(spec)

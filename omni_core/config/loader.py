@@ -28,7 +28,7 @@ class ConfigValidationError(ConfigError):
         )
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class UniqueKeyLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a mapping with the same key twice (plain PyYAML keeps the last)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -61,7 +61,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot be read ({exc.__class__.__name__}: {exc}); check its permissions and encoding") from exc
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        data = yaml.load(text, Loader=UniqueKeyLoader)
     except DuplicateKeyError as exc:
         raise ConfigError(f"{path}: {exc}; keep one of them (YAML would silently use the last)") from None
     except yaml.YAMLError as exc:
@@ -90,7 +90,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override '{override}': {path} is already set by '{given[path]}'; give each key once")
         given[path] = override
         try:
-            value = yaml.load(raw_value, Loader=_UniqueKeyLoader) if raw_value != "" else ""
+            value = yaml.load(raw_value, Loader=UniqueKeyLoader) if raw_value != "" else ""
         except DuplicateKeyError as exc:
             raise ConfigError(f"override '{override}': {exc.args[0].split(' (line')[0]}; keep one") from None
         except yaml.YAMLError as exc:
