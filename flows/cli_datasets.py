@@ -28,8 +28,11 @@ def ingest_command(
 ) -> None:
     """Ingest a raw dataset into a versioned Parquet dataset (a Prefect flow; logged to MLflow)."""
     from flows.prefect_env import quiet_prefect_tracebacks, use_embedded_prefect
+    from omni_core.config import validate_dataset
     from omni_core.storage import Store
 
+    validate_dataset(name, {"source": source, "converter": converter or name,  # before any server starts
+                            "max_quarantine_fraction": max_quarantine_fraction})
     Store(store).check_writable()
     use_embedded_prefect()
     from flows.ingest import ingest

@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import flow_run
 
-from omni_core.config import DatasetConfig, load_pipeline
+from omni_core.config import load_pipeline, validate_dataset
 from omni_core.errors import ConfigError
 from omni_core.paths import DEFAULT_STORE, DEFAULT_TRACKING_URI
 from tasks.ingest import ingest_dataset
@@ -35,7 +35,7 @@ def ingest(
     else:
         if not (name and source):
             raise ConfigError("ingest: give a dataset name and --source URI, or a pipeline file")
-        jobs = {name: DatasetConfig(source=source, converter=converter or name,
-                                    max_quarantine_fraction=max_quarantine_fraction)}
+        jobs = {name: validate_dataset(name, {"source": source, "converter": converter or name,
+                                              "max_quarantine_fraction": max_quarantine_fraction})}
     return [ingest_dataset(store_root=store, tracking_uri=tracking_uri, name=key, config=cfg, workers=workers,
                            tags=tags) for key, cfg in jobs.items()]

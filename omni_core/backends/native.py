@@ -66,6 +66,7 @@ class NativeBackend:
                 f"({config.ray.address}) for {stage.trainer.total_steps} steps on {planned.data} from {planned.model}"}
 
     def run(self, run: TrainingRun) -> Any:
+        from omni_core.media_limits import MediaLimits
         from omni_core.pipeline.watch import StepWatcher
         from omni_core.training import run_rl_stage
 
@@ -78,7 +79,7 @@ class NativeBackend:
                 pipeline=ctx.config.name, stage=stage, seed=ctx.config.seed, store=ctx.store,
                 shard_keys=run.version.shard_keys(run.split), dataset_version=run.version.version,
                 ray_config=ctx.config.ray, tracking_uri=ctx.tracker.tracking_uri, mlflow_run_id=ctx.mlflow_run_id,
-                progress=ctx.progress)
+                progress=ctx.progress, media_limits=MediaLimits.of(ctx.config.datasets.get(run.dataset)))
 
     def cancel(self) -> dict[str, str | None]:
         return {}  # its Ray actors live in this process's Ray job: they end with it

@@ -6,6 +6,7 @@ from omni_core.config.loader import (
     config_digest,
     load_pipeline,
     read_yaml,
+    validate_dataset,
     validate_pipeline,
 )
 from omni_core.config.models import (
@@ -39,5 +40,6 @@ __all__ = [
     "config_digest",
     "load_pipeline",
     "read_yaml",
+    "validate_dataset",
     "validate_pipeline",
 ]

@@ -10,7 +10,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from omni_core.config.models import PipelineConfig
+from omni_core.config.models import DatasetConfig, PipelineConfig
+from omni_core.config.names import name_problem
 from omni_core.errors import ConfigError
 
 
@@ -27,6 +28,28 @@ class ConfigValidationError(ConfigError):
         )
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with the same key twice (plain PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden here
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise DuplicateKeyError(key, seen[key], line)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    def __init__(self, key: Any, first: int, again: int):
+        super().__init__(f"key {key!r} appears twice in one mapping (line {first} and line {again})")
+        self.key, self.first, self.again = key, first, again
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
@@ -38,7 +61,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot be read ({exc.__class__.__name__}: {exc}); check its permissions and encoding") from exc
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=UniqueKeyLoader)
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"{path}: {exc}; keep one of them (YAML would silently use the last)") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -53,14 +78,21 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     """Apply `a.b.c=value` overrides; values are parsed as YAML (3 -> int, true -> bool, [a] -> list).
 
     A list of named items (stages) is addressed by the item's name: `stages.rl.trainer.total_steps=3`;
-    an integer index works too.
+    an integer index works too. The same KEY.PATH given twice is refused (as a key written twice in
+    the file is), rather than the last one silently winning.
     """
+    given: dict[str, str] = {}
     for override in overrides:
         path, sep, raw_value = override.partition("=")
         if not sep or not path:
             raise ConfigError(f"override '{override}': expected KEY.PATH=VALUE, e.g. stages.rl.trainer.total_steps=3")
+        if path in given:
+            raise ConfigError(f"override '{override}': {path} is already set by '{given[path]}'; give each key once")
+        given[path] = override
         try:
-            value = yaml.safe_load(raw_value) if raw_value != "" else ""
+            value = yaml.load(raw_value, Loader=UniqueKeyLoader) if raw_value != "" else ""
+        except DuplicateKeyError as exc:
+            raise ConfigError(f"override '{override}': {exc.args[0].split(' (line')[0]}; keep one") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"override '{override}': value is not valid YAML; quote it") from exc
         keys = path.split(".")
@@ -101,6 +133,19 @@ def validate_pipeline(data: dict[str, Any], source: str = "<pipeline>") -> Pipel
         return PipelineConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigValidationError(source, [_format_error(err, data) for err in exc.errors()]) from None
+
+
+def validate_dataset(name: str, data: dict[str, Any]) -> DatasetConfig:
+    """One dataset given outside a pipeline file (`omni ingest NAME --source URI`), checked as the
+    pipeline's `datasets.NAME` is; a ConfigError naming the first problem otherwise."""
+    errors = [problem] if (problem := name_problem(name, "dataset name")) else []
+    try:
+        config = DatasetConfig.model_validate(data)
+    except ValidationError as exc:
+        errors += [f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()]
+    if errors:
+        raise ConfigError(f"ingest {name}: {'; '.join(errors)}")
+    return config
 
 
 def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:

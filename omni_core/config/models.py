@@ -51,6 +51,14 @@ from omni_core.config.backends import (
     describe_backends,
     parse_backend,
 )
+from omni_core.config.names import (
+    MAX_NAME_LENGTH,
+    NAME_PATTERN,
+    check_env_name,
+    check_name,
+    check_relative_store_path,
+    source_problem,
+)
 from omni_core.registry import Registry
 
 
@@ -69,6 +77,11 @@ class RayConfig(Strict):
     env_vars: list[str] = Field(
         default_factory=list, description="Names of more environment variables the driver hands to the actors "
                                           "(besides the store's and the tracking server's; see omni_core.training.ray_env).")
+
+    @field_validator("env_vars")
+    @classmethod
+    def _env_names(cls, value: list[str]) -> list[str]:
+        return [check_env_name(name, "ray.env_vars:") for name in value]
 
     @model_serializer(mode="wrap")
     def _dump_without_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -90,19 +103,55 @@ class DatasetConfig(Strict):
                                 "for image, audio and video datasets, whose rows are large); default: rows only.")
     max_quarantine_fraction: float = Field(
         0.05, ge=0, le=1, description="Fail the ingest when more than this share of rows is quarantined.")
+    # Media limits, read from each file's header (never by decoding it): a row over one is quarantined,
+    # and rollout and eval refuse such media (omni_core/media_limits.py). PIL refuses images over
+    # 2 x Image.MAX_IMAGE_PIXELS (178956970 pixels) whatever is set here.
+    max_image_pixels: int = Field(40_000_000, ge=1, le=178_956_970,
+                                  description="Largest width x height an image may declare.")
+    max_audio_seconds: float = Field(600.0, gt=0, description="Longest duration an audio clip may declare.")
+    max_video_seconds: float = Field(600.0, gt=0, description="Longest duration a video may declare.")
+
+    @field_validator("source")
+    @classmethod
+    def _readable_source(cls, value: str) -> str:
+        if problem := source_problem(value):
+            raise ValueError(problem)
+        return value
 
     @model_serializer(mode="wrap")
     def _dump_without_unset_byte_limit(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """No `shard_bytes` key while it is unset: config digests and cache keys stay what they were."""
+        """No `shard_bytes` key while it is unset, no media limit at its default: config digests and
+        cache keys stay what they were."""
         data = handler(self)
         if data.get("shard_bytes") is None:
             data.pop("shard_bytes", None)
+        for key in MEDIA_LIMIT_KEYS:
+            if data.get(key) == type(self).model_fields[key].default:
+                data.pop(key, None)
         return data
 
 
+MEDIA_LIMIT_KEYS = ("max_image_pixels", "max_audio_seconds", "max_video_seconds")
+
+
 class StageBase(Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH)
     after: list[str] = Field(default_factory=list, description="Stages that must finish first.")
+
+    @field_validator("data", check_fields=False)
+    @classmethod
+    def _data_names(cls, value: str) -> str:
+        """`KEY` or `KEY:SPLIT` (rl, sft, eval): both parts are names (they become store paths)."""
+        key, sep, split = value.partition(":")
+        check_name(key, "dataset key")
+        if sep:
+            check_name(split, "split")
+        return value
+
+    @field_validator("model_name", check_fields=False)
+    @classmethod
+    def _registered_name(cls, value: str) -> str:
+        return check_name(value, "registered model name")
 
 
 class IngestStage(StageBase):
@@ -181,6 +230,11 @@ class CheckpointConfig(Strict):
                             "resume_path: from resume_from_path.")
     resume_from_path: str | None = Field(None, description="A global_step_N folder (store key or URI) for resume_path.")
     force_resume: bool = Field(False, description="Resume from a checkpoint written with a different config digest.")
+
+    @field_validator("resume_from_path")
+    @classmethod
+    def _inside_the_store(cls, value: str | None) -> str | None:
+        return value if value is None else check_relative_store_path(value, "resume_from_path")
 
     @model_validator(mode="after")
     def _path_with_mode(self) -> CheckpointConfig:
@@ -581,13 +635,20 @@ register_stage_config(RLStage, *TRAINING_KINDS)
 
 
 class PipelineConfig(Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH)
     store: str = ".omni/store"
     tracking_uri: str = "sqlite:///.omni/mlflow.db"
     ray: RayConfig = Field(default_factory=RayConfig)
     seed: int = 0
     datasets: dict[str, DatasetConfig] = Field(default_factory=dict)
     stages: list[Stage] = Field(min_length=1, json_schema_extra=_describe_stages)
+
+    @field_validator("datasets", mode="before")
+    @classmethod
+    def _dataset_keys(cls, value: Any) -> Any:
+        for key in value if isinstance(value, dict) else ():
+            check_name(key, "dataset key")
+        return value
 
     @model_validator(mode="after")
     def _check_references(self) -> PipelineConfig:

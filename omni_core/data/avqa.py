@@ -179,10 +179,10 @@ class AVQAConverter(Converter):
             raise RowRejected(f"invalid answer: {solution!r} is not <answer>X</answer> with X among the options")
         media = record.get("path") if isinstance(record.get("path"), dict) else {}
         image = self._media(raw, split, media.get("image"), "image")
-        if problem_ := image_problem(image):
+        if problem_ := image_problem(image, self.limits):
             raise RowRejected(problem_)
         audio = self._media(raw, split, media.get("audio"), "audio")
-        if problem_ := wav_problem(audio):
+        if problem_ := wav_problem(audio, self.limits):
             raise RowRejected(problem_)
         lines = "\n".join(f"{letter}. {text}" for letter, text in options.items())
         return {

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 from omni_core.config.algorithms import register_pair_converter
 from omni_core.data.sources import RawSource
 from omni_core.errors import DataError
+from omni_core.media_limits import MediaLimits
 from omni_core.registry import Registry
 
 
@@ -47,6 +48,7 @@ class Converter:
     version: ClassVar[str]
     schema: ClassVar[pa.Schema]
     preference_pairs: ClassVar[bool] = False
+    limits: MediaLimits = MediaLimits()  # the dataset's media limits: ingest sets them; rows over one are rejected
 
     def splits(self, raw: RawSource) -> list[str]:
         """The output splits this raw source holds (empty: the source is not this dataset's layout)."""

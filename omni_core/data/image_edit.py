@@ -95,8 +95,11 @@ class ImageEditConverter(SplitFileConverter):
         rel = safe_join(images or "", image_name) if images else None
         if rel is None or rel not in raw.files:
             raise RowRejected(f"condition image not found: images/{image_name}")
+        data = raw.path(rel).read_bytes()
+        if problem := self.limits.image_problem(data):  # before letterbox_png decodes it
+            raise RowRejected(f"condition image images/{image_name}: {problem}")
         try:
-            png = letterbox_png(raw.path(rel).read_bytes())
+            png = letterbox_png(data)
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             raise RowRejected(f"condition image images/{image_name} does not decode ({exc.__class__.__name__})") from exc
         return {

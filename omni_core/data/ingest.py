@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from omni_core.config.models import DatasetConfig
+from omni_core.config.models import MEDIA_LIMIT_KEYS, DatasetConfig
 from omni_core.data.converter import (
     Chunk,
     Converter,
@@ -36,6 +36,7 @@ from omni_core.data.memory import release_freed_memory, without_huge_pages
 from omni_core.data.shards import ShardWriters, parquet_write_options  # noqa: F401 (re-exported)
 from omni_core.data.sources import RawSource, resolve_source
 from omni_core.errors import DataError
+from omni_core.media_limits import MediaLimits
 from omni_core.storage import Store
 
 MANIFEST = "_manifest.json"
@@ -106,10 +107,14 @@ def ingest(store: Store, name: str, config: DatasetConfig, progress: Progress = 
            ) -> DatasetVersion:
     """Convert `config.source` with `config.converter` and commit it as a version of dataset `name`."""
     converter = get_converter(config.converter)
+    converter.limits = MediaLimits.of(config)
     raw = resolve_source(config.source)
     options: dict[str, Any] = {"shard_rows": config.shard_rows}
     if config.shard_bytes is not None:  # only when set: the ids of versions ingested without it stay
         options["shard_bytes"] = int(config.shard_bytes)
+    # media limits only when not the default, likewise (a version ingested before they existed kept
+    # every row; its id is reused, so a re-ingest does not quarantine what it kept: `omni verify`)
+    options.update({k: v for k, v in config.model_dump(include=set(MEDIA_LIMIT_KEYS)).items()})
     version = version_id(converter, raw, options)
     prefix = dataset_prefix(name, version)
     if store.exists(f"{prefix}/{MANIFEST}"):
@@ -206,12 +211,13 @@ class _Converted:
 Work = Chunk | tuple[int, list[RawRecord]]  # a chunk a worker reads itself, or (first index, records read here)
 
 
-def _convert_work(converter_name: str, raw: RawSource, split: str, work: Work, spill_dir: str | None = None,
-                  table: pa.Table | None = None) -> _Converted:
+def _convert_work(converter_name: str, limits: MediaLimits, raw: RawSource, split: str, work: Work,
+                  spill_dir: str | None = None, table: pa.Table | None = None) -> _Converted:
     """Runs in this process or a worker: converters are looked up by name, so nothing unpicklable travels.
 
     `table` is a Chunk's rows when a reader thread has already read them."""
     converter = get_converter(converter_name)
+    converter.limits = limits
     batch = None
     if isinstance(work, Chunk):
         table = work.read(raw) if table is None else table
@@ -283,7 +289,7 @@ def _converted(converter: Converter, raw: RawSource, split: str, pool: ProcessPo
         return
     window: list[Future] = []
     for work in _work(converter, raw, split):
-        window.append(pool.submit(_convert_work, converter.name, raw, split, work, spill_dir))
+        window.append(pool.submit(_convert_work, converter.name, converter.limits, raw, split, work, spill_dir))
         if len(window) >= 2 * pool._max_workers:
             yield window.pop(0).result()
     for future in window:
@@ -317,7 +323,8 @@ def _read_released(work: Chunk, raw: RawSource) -> pa.Table:
 def _convert_ahead(converter: Converter, raw: RawSource, split: str, ahead: tuple[Work, Future | None]
                    ) -> _Converted:
     work, table = ahead
-    converted = _convert_work(converter.name, raw, split, work, table=None if table is None else table.result())
+    converted = _convert_work(converter.name, converter.limits, raw, split, work,
+                              table=None if table is None else table.result())
     release_freed_memory()  # the converting thread's heap, likewise
     return converted
 

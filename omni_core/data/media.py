@@ -18,8 +18,9 @@ import pyarrow as pa
 from PIL import Image, ImageDraw, UnidentifiedImageError
 
 from omni_core.data.schema import MEDIA_LIST
+from omni_core.media_limits import PNG_SIGNATURE, MediaLimits
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+DEFAULT_LIMITS = MediaLimits()
 
 
 def media_list(values: pa.ChunkedArray, keep: list[bool]) -> pa.ChunkedArray:
@@ -45,14 +46,17 @@ def media_list(values: pa.ChunkedArray, keep: list[bool]) -> pa.ChunkedArray:
 # ---- validation --------------------------------------------------------------------------------
 
 
-def image_problem(data: bytes | memoryview | None) -> str | None:
+def image_problem(data: bytes | memoryview | None, limits: MediaLimits = DEFAULT_LIMITS) -> str | None:
     """Why `data` is not a usable image, or None.
 
-    A PNG has its header and every chunk's CRC checked (a truncated or bit-flipped file fails)
-    without decoding pixels; other formats have no such checksums, so PIL fully decodes them.
+    First the size its header declares is held against `limits` (nothing decoded). Then a PNG has
+    its header and every chunk's CRC checked (a truncated or bit-flipped file fails) without
+    decoding pixels; other formats have no such checksums, so PIL fully decodes them.
     """
     if data is None or not len(data):
         return "missing image"
+    if problem := limits.image_problem(data):
+        return problem
     if bytes(data[:8]) == PNG_SIGNATURE:
         return png_problem(data)
     try:
@@ -105,10 +109,13 @@ def png_problem(data: bytes | memoryview) -> str | None:
         pos = end + 4
 
 
-def wav_problem(data: bytes | None) -> str | None:
-    """Why `data` is not a readable WAV file, or None (a truncated data chunk is a problem)."""
+def wav_problem(data: bytes | None, limits: MediaLimits = DEFAULT_LIMITS) -> str | None:
+    """Why `data` is not a readable WAV file or is longer than `limits` allow, or None (a truncated
+    data chunk is a problem)."""
     if not data:
         return "missing audio"
+    if problem := limits.audio_problem(data):
+        return problem
     try:
         with wave.open(io.BytesIO(data), "rb") as wav:
             channels, width, frames = wav.getnchannels(), wav.getsampwidth(), wav.getnframes()
@@ -141,14 +148,16 @@ def _iso_boxes(data: bytes) -> list[bytes] | None:
     return boxes
 
 
-def video_problem(data: bytes | None) -> str | None:
-    """Why `data` is not a video container, or None.
+def video_problem(data: bytes | None, limits: MediaLimits = DEFAULT_LIMITS) -> str | None:
+    """Why `data` is not a video container or is longer than `limits` allow, or None.
 
     No video decoder is a dependency, so this checks the container: an MP4/MOV must be a complete
     box structure starting with `ftyp` and holding a `moov` box; WebM/MKV and AVI by their magic.
     """
     if not data:
         return "missing video"
+    if problem := limits.video_problem(data):
+        return problem
     if data[4:8] == b"ftyp":
         boxes = _iso_boxes(data)
         if boxes is None:

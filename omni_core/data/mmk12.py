@@ -29,6 +29,7 @@ from omni_core.data.fixtures import register_fixture
 from omni_core.data.media import encode_image, image_problem, media_list
 from omni_core.data.schema import MEDIA_LIST, REWARD_MODEL, extra_info, rl_schema
 from omni_core.data.sources import RawSource
+from omni_core.media_limits import MediaLimits
 
 # Verbatim from VeRL-Omni examples/gspo_trainer/data_process/mmk12.py (INSTRUCTION; "adapted from
 # MM-Eureka Table 1, instruct-model variant", with \boxed{} to match the mmk12 reward).
@@ -81,7 +82,7 @@ class MMK12Converter(HubParquetConverter):
 
     def convert(self, record: dict[str, Any], split: str, index: int, raw: RawSource) -> dict[str, Any]:
         image = _image_bytes(record.get("image"))
-        return {**_text_row(record, image, split, index), "images": [{"bytes": image}]}
+        return {**_text_row(record, image, split, index, self.limits), "images": [{"bytes": image}]}
 
     def convert_batch(self, table: pa.Table, split: str, first_index: int, raw: RawSource) -> BatchConverted | None:
         """`convert` of a whole chunk: the text columns row by row in Python (small), the images
@@ -105,7 +106,7 @@ class MMK12Converter(HubParquetConverter):
         for offset, (record, image) in enumerate(zip(texts, images, strict=True)):
             try:
                 rows.append(_text_row(record, image if image is not None and image.nbytes else None, split,
-                                      first_index + offset))
+                                      first_index + offset, self.limits))
                 keep.append(True)
             except RowRejected as exc:
                 rejected.append((offset, exc.reason))
@@ -115,7 +116,8 @@ class MMK12Converter(HubParquetConverter):
         return BatchConverted(out, rejected)
 
 
-def _text_row(record: dict[str, Any], image: bytes | memoryview | None, split: str, index: int) -> dict[str, Any]:
+def _text_row(record: dict[str, Any], image: bytes | memoryview | None, split: str, index: int,
+              limits: MediaLimits) -> dict[str, Any]:
     """A row's output columns other than `images`; RowRejected if the row (or its `image`) is unusable."""
     question = str(record.get("question") or "").strip()
     answer = str(record.get("answer") or "").strip()
@@ -123,7 +125,7 @@ def _text_row(record: dict[str, Any], image: bytes | memoryview | None, split: s
         raise RowRejected("empty question")
     if not answer:
         raise RowRejected("missing answer")
-    problem = image_problem(image)
+    problem = image_problem(image, limits)
     if problem:
         raise RowRejected(problem)
     return {

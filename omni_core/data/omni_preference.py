@@ -189,7 +189,7 @@ class OmniPreferenceConverter(Converter):
         if resolved is None:
             raise RowRejected(f"missing {modality} file: {media_path!r}")
         data = raw.path(resolved).read_bytes()
-        if problem := _MEDIA_CHECK[modality](data):
+        if problem := _MEDIA_CHECK[modality](data, self.limits):
             raise RowRejected(problem)
         out = {
             "data_source": f"omni_preference/{modality}",

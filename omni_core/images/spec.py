@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from omni_core.config.loader import UniqueKeyLoader
 from omni_core.images.errors import ImageBuildError
 
 BUILTIN_PLATFORMS = {"cuda": ["linux/amd64"], "ascend": ["linux/arm64", "linux/amd64"]}
@@ -90,7 +91,7 @@ def load_spec(target_or_file: str | Path, root: Path | None = None) -> ImageSpec
         return builtin_spec(name, root)
     path = Path(name).resolve()
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # a key written twice is an error
     except OSError as exc:
         raise ImageBuildError(f"cannot read image spec {path}: {exc.strerror}") from exc
     except yaml.YAMLError as exc:

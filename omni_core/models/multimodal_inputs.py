@@ -56,7 +56,12 @@ def row_media(rows: Sequence[Row]) -> dict[str, list[Any]]:
             raise ModelError("video inputs are not supported by the native trainers (no video decoder here); "
                              "give video weight 0 in modality_weights, drop the video rows, or train text-only "
                              "on a tokenizer")
-        images += [Image.open(io.BytesIO(m["bytes"])).convert("RGB") for m in row.get("images") or []]
+        try:
+            images += [Image.open(io.BytesIO(m["bytes"])).convert("RGB") for m in row.get("images") or []]
+        except Image.DecompressionBombError as exc:  # PIL's hard limit; a dataset's own limits are checked
+            # where rows are loaded (omni_core.media_limits.check_rows)
+            raise ModelError(f"an image of the batch is too large to decode ({exc}); drop the row or re-ingest "
+                             "its dataset (ingest quarantines images over max_image_pixels)") from None
         audio += [decode_wav(m["bytes"]) for m in row.get("audios") or []]
     return {k: v for k, v in (("images", images), ("audio", audio)) if v}
 

@@ -92,6 +92,7 @@ def start_child_run(config: PipelineConfig, stage: RLStage, parent_run_id: str) 
 def run(config: PipelineConfig, stage: RLStage, dataset_version: str | None,
         parent_run_id: str | None = None) -> dict[str, Any]:
     from omni_core.lineage.training import log_training_result, log_training_start
+    from omni_core.media_limits import MediaLimits
     from omni_core.training.ray_stage import run_rl_stage
 
     store, dv, split = resolve(config, stage, dataset_version)
@@ -102,7 +103,8 @@ def run(config: PipelineConfig, stage: RLStage, dataset_version: str | None,
         result = run_rl_stage(pipeline=config.name, stage=stage, seed=config.seed, store=store,
                               shard_keys=dv.shard_keys(split), dataset_version=dv.version, ray_config=config.ray,
                               tracking_uri=tracker.tracking_uri if tracker else None, mlflow_run_id=run_id,
-                              progress=lambda line: print(line, flush=True))
+                              progress=lambda line: print(line, flush=True),
+                              media_limits=MediaLimits.of(config.datasets.get(stage.data.partition(":")[0])))
         model_id = None
         if tracker is not None:
             experiment = tracker.client.get_run(run_id).info.experiment_id

@@ -25,6 +25,7 @@ from omni_core.config.models import (
 )
 from omni_core.data.ingest import read_rows
 from omni_core.errors import DataError
+from omni_core.media_limits import MediaLimits, check_rows
 from omni_core.storage import Store
 from omni_core.training.checkpoint import latest_checkpoint, stage_prefix, weights_digest
 from omni_core.training.ray_env import init_ray, is_local
@@ -86,9 +87,10 @@ read_split = read_rows  # the rows of a split's shards (`DatasetVersion.rows` re
 
 def run_rl_stage(*, pipeline: str, stage: RLStage, seed: int, store: Store, shard_keys: list[str],
                  dataset_version: str, ray_config: RayConfig, tracking_uri: str | None, mlflow_run_id: str | None,
-                 progress: Callable[[str], None] = print) -> RLStageResult:
+                 progress: Callable[[str], None] = print, media_limits: MediaLimits | None = None) -> RLStageResult:
     """Train `stage` on Ray (`StageRunner`), resuming from its latest committed checkpoint; a run key
-    whose final checkpoint is committed trains nothing."""
+    whose final checkpoint is committed trains nothing. Rows whose media is over `media_limits` (the
+    dataset's; default: the defaults) are refused before any actor decodes them."""
     from omni_core.lineage import Tracker
 
     run_key = rl_run_key(stage, seed, dataset_version)
@@ -101,6 +103,7 @@ def run_rl_stage(*, pipeline: str, stage: RLStage, seed: int, store: Store, shar
     rows = read_split(store, shard_keys)
     if not rows:
         raise DataError(f"stage {stage.name}: dataset split {stage.data} has no rows; check the ingest quarantine")
+    check_rows(rows, media_limits or MediaLimits(), f"stage {stage.name}: dataset split {stage.data}")
     ensure_ray(ray_config)
     tracker = Tracker(tracking_uri) if tracking_uri else None
     if tracker is not None and mlflow_run_id:

@@ -9,9 +9,10 @@ written here directly, as `omni recipes show` prints them; the stage's own keys 
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
 from omni_core.backends.jobs.options import JobBackendOptions
 from omni_core.backends.verl_omni.render import RecipeOptions
@@ -34,6 +35,15 @@ class VerlOmniBackend(JobBackendOptions, RecipeOptions):
                                                       "verl_omni.trainer.main_omni.")
     python: str | None = Field(None, description="The interpreter that has verl-omni on the cluster; default: the "
                                                  "recipe's (python3, the CUDA image's /opt/venv).")
+
+    @field_validator("entry_point")
+    @classmethod
+    def _module_name(cls, value: str | None) -> str | None:
+        """It becomes `python -m MODULE` in the Ray Job's shell line: a dotted module name and nothing else."""
+        if value is not None and not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", value):
+            raise ValueError(f"backend.entry_point {value!r} is not a Python module name (e.g. "
+                             "verl_omni.trainer.main_omni)")
+        return value
 
     @model_validator(mode="after")
     def _recipe_or_entry_point(self) -> VerlOmniBackend:

@@ -26,6 +26,7 @@ from omni_core.config.models import TRAINING_KINDS, EvalStage, RLStage, upstream
 from omni_core.data import load_version
 from omni_core.errors import ConfigError
 from omni_core.lineage import log_dataset_version
+from omni_core.media_limits import MediaLimits, check_rows
 from omni_core.pipeline.stages import register_stage
 from omni_core.pipeline.stages.rl import dataset_for, input_dataset
 from omni_core.storage import file_sha256
@@ -162,6 +163,7 @@ def run_eval(ctx: Any) -> dict[str, Any]:
     rows = dv.rows(ctx.store, split)[:stage.max_rows]
     if not rows:
         raise ConfigError(f"stages.{stage.name}.data: split '{split}' of dataset '{key}' ({dv.version}) has no rows")
+    check_rows(rows, MediaLimits.of(ctx.config.datasets.get(key)), f"stages.{stage.name}: {key}@{dv.version}:{split}")
     model_id = trained.get("model_id")
     training = ctx.tracker.client.get_logged_model(model_id).source_run_id if model_id else source.mlflow_run_id
     log_dataset_version(ctx.tracker, ctx.mlflow_run_id, dv, context="eval")
