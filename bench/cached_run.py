@@ -98,7 +98,8 @@ def main() -> None:
             contenders = {
                 "hello": ([sys.executable, str(folder / "hello.py")], folder,
                           {**base, "PREFECT_HOME": str(folder / "hello-prefect"),
-                           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}),
+                           "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # as omni sets for its temporary server:
+                           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}),  # a busy machine
                 "cached": (run, work, base),
                 "cached_temporary": (run, work, {**base, "OMNI_PREFECT_SERVER": "temporary"}),
             }
