@@ -26,7 +26,6 @@ from omni_core.config.models import TRAINING_KINDS, EvalStage, RLStage, upstream
 from omni_core.data import load_version
 from omni_core.errors import ConfigError
 from omni_core.lineage import log_dataset_version
-from omni_core.models import load_model
 from omni_core.pipeline.stages import register_stage
 from omni_core.pipeline.stages.rl import dataset_for, input_dataset
 from omni_core.storage import file_sha256
@@ -64,6 +63,8 @@ def load_checkpoint(ctx: Any, source: Any) -> tuple[Any, Any]:
     the trained adapter weights loaded."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load as load_safetensors
+
+    from omni_core.models import load_model  # torch: only when an eval runs, not on a cached re-run
 
     trained = source.outputs
     folder = checkpoint_prefix(stage_prefix(ctx.config.name, trained["run_key"], source.name), trained["global_step"])

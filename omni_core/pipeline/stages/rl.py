@@ -33,7 +33,6 @@ from omni_core.pipeline.stages import register_stage
 from omni_core.pipeline.stages.build_images import upstream_images
 from omni_core.pipeline.watch import StepWatcher
 from omni_core.storage import file_sha256
-from omni_core.training import ensure_ray, rl_run_key, run_rl_stage
 from omni_core.training.checkpoint import LATEST, MANIFEST, checkpoint_prefix, stage_prefix
 
 STEP_METRIC = "timing_s/step"  # every algorithm logs it once per step
@@ -49,6 +48,8 @@ _ray_owner: list[threading.Thread] = []
 
 
 def _own_ray() -> None:
+    from omni_core.training import ensure_ray
+
     while True:
         future, config = _ray_calls.get()
         try:
@@ -60,6 +61,8 @@ def _own_ray() -> None:
 
 def start_ray(config: RayConfig) -> None:
     import ray
+
+    from omni_core.training import ensure_ray
 
     if ray.is_initialized():
         return
@@ -203,6 +206,9 @@ def save_reward_curve(ctx: Any, run_id: str | None) -> dict[str, Any] | None:
 def run_rl(ctx: Any) -> dict[str, Any]:
     if ctx.stage.backend != "native":
         return run_verl(ctx)
+    # Ray and the trainer load only when a stage trains: a cached re-run never imports them
+    from omni_core.training import rl_run_key, run_rl_stage
+
     stage = resolved_stage(ctx)
     key, split, dv = input_dataset(ctx)
     log_training_start(ctx.tracker, ctx.mlflow_run_id, stage, ctx.config.seed, dv, split)
@@ -244,7 +250,7 @@ def run_verl(ctx: Any) -> dict[str, Any]:
     logged model as a native training."""
     import tempfile
 
-    from omni_core.training.ray_stage import RLStageResult, _weights_digest
+    from omni_core.training.ray_stage import RLStageResult, _weights_digest, rl_run_key
 
     if ctx.stage.backend.name == "verl_omni":  # a VeRL-Omni recipe through the same job machinery
         from omni_core.backends.verl_omni.runner import run_verl_omni_stage as run_verl_stage
