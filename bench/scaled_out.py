@@ -1,7 +1,7 @@
 """The embedded default vs the scaled-out stack, side by side in one run: the demo pipeline's time and
 the per-stage overhead of a chain of no-op stages on each.
 
-    python bench/scaled_out.py [--quick] [--json] [--baseline REV]
+    python bench/scaled_out.py [--quick] [--json] [--baseline REV] [--rounds N]
 
 The stack is the one tests/test_scaled_stack.py starts on 127.0.0.1 (its helpers in tests/): a fresh
 Postgres cluster, `prefect server` on it with basic auth, `mlflow server --app-name basic-auth` on
@@ -154,6 +154,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="10 no-op stages x2, no demo, no Ray cluster")
     parser.add_argument("--json", action="store_true", help="print one JSON object of the figures last")
     parser.add_argument("--baseline", metavar="REV", help="also run the no-op chains with git revision REV's code")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the chains this many times, the order of the codes flipped each round; the "
+                             "figures are the medians of the rounds' medians (default 1)")
     args = parser.parse_args()
     stages, repeats = (10, 2) if args.quick else (20, 3)
     figures: dict[str, Any] = {"noop_chain_stages": stages, "noop_chain_repeats": repeats, "quick": args.quick}
@@ -172,13 +175,22 @@ def main() -> None:
         env, where, stops = start_stack(folder / "stack", ray=not args.quick)
         figures["stack_start_s"] = round(time.perf_counter() - started, 1)
         try:
-            for prefix, code in codes.items():
-                figures[f"{prefix}embedded_stage_overhead"] = overhead(
-                    embedded, folder / f"{prefix}noop-embedded", stages, repeats, str(folder / f"{prefix}noop-store"),
-                    f"sqlite:///{folder / f'{prefix}noop-mlflow.db'}", code)
-                figures[f"{prefix}stack_stage_overhead"] = overhead(
-                    env, folder / f"{prefix}noop-stack", stages, repeats, f"s3://{where['bucket']}/{prefix}noop",
-                    where["mlflow"], code)
+            rounds: dict[str, list[dict]] = {}
+            for round_ in range(args.rounds):  # the order flips each round: a change in load hits both codes
+                for prefix, code in (list if round_ % 2 == 0 else reversed)(list(codes.items())):
+                    tag = f"{prefix}r{round_}-"
+                    for where_, run_env, store, tracking in (
+                            ("embedded", embedded, str(folder / f"{tag}noop-store"),
+                             f"sqlite:///{folder / f'{tag}noop-mlflow.db'}"),
+                            ("stack", env, f"s3://{where['bucket']}/{tag}noop", where["mlflow"])):
+                        got = overhead(run_env, folder / f"{tag}noop-{where_}", stages, repeats, store, tracking, code)
+                        rounds.setdefault(f"{prefix}{where_}_stage_overhead", []).append(got)
+                        print(f"round {round_ + 1} {prefix.rstrip('_') or 'this checkout'} {where_}: "
+                              f"{got['median_ms']} ms", flush=True)
+            for name, got in rounds.items():
+                figures[name] = {key: round(statistics.median(g[key] for g in got), 1) for key in got[0]}
+                if args.rounds > 1:
+                    figures[name]["rounds_ms"] = [g["median_ms"] for g in got]
             if not args.quick:
                 (folder / "demo-embedded").mkdir()
                 figures["embedded_demo_s"] = demo(embedded, folder / "demo-embedded", [

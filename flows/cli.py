@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from flows.cli_options import state
-from flows.prefect_env import quiet_prefect_tracebacks, use_embedded_prefect
+from flows.prefect_env import quiet_prefect_tracebacks, start_embedded_api, use_embedded_prefect
 from omni_core.config import ConfigValidationError, PipelineConfig, load_pipeline
 from omni_core.errors import OmniError
 
@@ -42,11 +42,13 @@ def _mount_subcommands() -> None:
     from flows.cli_image import image_app
     from flows.cli_lineage import register_commands as register_lineage
     from flows.cli_recipes import register_commands as register_recipes
+    from flows.cli_server import server_app
     from flows.cli_verify import register_commands as register_verify
 
     app.command("ingest")(ingest_command)
     app.add_typer(datasets_app, name="datasets")
     app.add_typer(image_app, name="image")
+    app.add_typer(server_app, name="server")
     register_commands(app)  # deploy, serve, status
     register_verify(app)  # verify
     register_lineage(app)  # lineage
@@ -97,15 +99,17 @@ def run(
         return
     Store(config.store).check_writable()  # fail in a second, not after starting Prefect and Ray
     prefect_home = use_embedded_prefect()
+    api_ready = start_embedded_api(prefect_home)  # omni's local Prefect server: starts while the flow imports
     console.print(f"[bold]omni[/bold] running pipeline [cyan]{config.name}[/cyan] "
                   f"({len(config.stages)} stages) from {pipeline_file}")
     from flows.pipeline import pipeline  # imports Prefect: only when a run is asked for
 
     quiet_prefect_tracebacks()
+    prefect_ui = api_ready()
 
     started = time.perf_counter()
     summary = pipeline(pipeline_file=str(pipeline_file), overrides=list(overrides or []), force=list(force or []))
-    print_summary(config, summary, time.perf_counter() - started, prefect_home)
+    print_summary(config, summary, time.perf_counter() - started, prefect_home, prefect_ui)
 
 
 @app.command()
@@ -128,7 +132,8 @@ def plan(
         console.print(escape(format_plan(entries)))
 
 
-def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect_home: str | None) -> None:
+def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect_home: str | None,
+                  prefect_ui: str | None = None) -> None:
     table = Table(title=f"pipeline {summary['pipeline']} finished in {seconds:.1f}s")
     for column in ("stage", "kind", "status", "seconds", "output"):
         table.add_column(column)
@@ -160,7 +165,9 @@ def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect
     from omni_core.lineage import ui_command
 
     console.print(f"open MLflow  {ui_command(summary['tracking_uri'])}")
-    if prefect_home:
+    if prefect_ui:
+        console.print(f"open Prefect {prefect_ui}   (omni's local Prefect server; `omni server stop` stops it)")
+    elif prefect_home:
         console.print(f"open Prefect PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)")
     else:
         console.print(f"open Prefect {os.environ.get('PREFECT_API_URL', '').removesuffix('/api')}")

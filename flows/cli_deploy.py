@@ -141,10 +141,11 @@ def status_command(
     """The stage table of the latest (or a given) pipeline run, from Prefect's API."""
     from dataclasses import asdict
 
-    from flows.prefect_env import use_embedded_prefect
+    from flows.prefect_env import use_embedded_prefect, use_running_api
     from flows.run_status import RunNotFoundError, run_status
 
     home = use_embedded_prefect()  # without PREFECT_API_URL: the runs `omni run` recorded under .omni/
+    use_running_api(home)  # read through omni's local server when it runs (else Prefect's temporary one)
     if home and not Path(home).is_dir():
         raise RunNotFoundError(f"no pipeline runs recorded in {home}: PREFECT_API_URL is not set, so omni status "
                                "reads what `omni run` recorded in this directory; run it where you ran `omni run`, "

@@ -54,7 +54,7 @@ def build_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the build record as one JSON object.")] = False,
 ) -> None:
     """Build (and push) an image unless its content tag already exists (a Prefect flow with retries)."""
-    from flows.prefect_env import quiet_prefect_tracebacks, use_embedded_prefect
+    from flows.prefect_env import quiet_prefect_tracebacks, start_embedded_api, use_embedded_prefect
     from omni_core.images import load_spec
     from omni_core.images.registry import default_registry
     from omni_core.storage import Store
@@ -62,9 +62,11 @@ def build_command(
     args = _build_args(build_arg)
     load_spec(_target(target)).with_overrides(args, platform)  # a bad target or spec fails before Prefect starts
     Store(store).check_writable()
-    use_embedded_prefect()
-    quiet_prefect_tracebacks()
+    api_ready = start_embedded_api(use_embedded_prefect())  # omni's local Prefect server, started or reused
     from flows.build_images import build_images
+
+    quiet_prefect_tracebacks()
+    api_ready()
 
     results = build_images(targets=[_target(target)], push=push, registry=registry or default_registry(),
                            store=store, builder=builder, build_args=args or None, platforms=platform or None,

@@ -1,29 +1,72 @@
-"""Prefect set-up for the `omni` commands that run flows: the embedded API's home and quiet tracebacks.
+"""Prefect set-up for the `omni` commands that run flows: the embedded API's home, omni's local
+Prefect server (flows/local_prefect.py) and quiet tracebacks.
 
-Nothing here imports Prefect at module level: call `use_embedded_prefect()` before the first Prefect
-import (Prefect reads its settings then), `quiet_prefect_tracebacks()` after.
+Nothing here imports Prefect at module level: call `use_embedded_prefect()` and `start_embedded_api()`
+before the first Prefect import (Prefect reads its settings then), `quiet_prefect_tracebacks()` after.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from flows.cli_options import state
 from omni_core.paths import OMNI_HOME
 
 
+def embedded_home() -> str:
+    """The embedded default's PREFECT_HOME: $PREFECT_HOME, else .omni/prefect."""
+    return os.environ.get("PREFECT_HOME") or str((OMNI_HOME / "prefect").resolve())
+
+
 def use_embedded_prefect() -> str | None:
     """Without PREFECT_API_URL, Prefect runs its API in-process; keep its database under .omni/."""
     if os.environ.get("PREFECT_API_URL"):
         return None
-    home = os.environ.setdefault("PREFECT_HOME", str((OMNI_HOME / "prefect").resolve()))
+    home = os.environ.setdefault("PREFECT_HOME", embedded_home())
     Path(home).mkdir(parents=True, exist_ok=True)  # Prefect does not create it: its SQLite open would fail
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The first start migrates a fresh database; on a busy 2-core machine that can exceed the 20 s default.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     return home
+
+
+def start_embedded_api(home: str | None) -> Callable[[], str | None]:
+    """On the embedded default (`home` from `use_embedded_prefect()`): omni's local Prefect server for
+    `home`, found or started in the background, with this process's PREFECT_API_URL and PREFECT_UI_URL
+    pointing at it. Returns the function to call before the flow: it waits until the server answers
+    and returns its UI's URL. With a user's PREFECT_API_URL (home None) or OMNI_PREFECT_SERVER=temporary
+    (Prefect's own temporary server per command) it does nothing and returns None."""
+    from flows import local_prefect
+
+    if home is None or not local_prefect.wanted():
+        return lambda: None
+    server, wait = local_prefect.start_local_server(home)
+    os.environ["PREFECT_API_URL"] = server.api_url
+    os.environ["PREFECT_UI_URL"] = server.url
+
+    def started() -> str:
+        return wait().url
+
+    return started
+
+
+def use_running_api(home: str | None) -> str | None:
+    """For commands that only read the API (`omni status`): omni's local server of `home` when it runs
+    (PREFECT_API_URL set to it); None otherwise (Prefect then starts its temporary server on the same
+    database). Starts nothing."""
+    from flows import local_prefect
+
+    if home is None or not local_prefect.wanted():
+        return None
+    server = local_prefect.running_server(home)
+    if server is None:
+        return None
+    os.environ["PREFECT_API_URL"] = server.api_url
+    os.environ["PREFECT_UI_URL"] = server.url
+    return server.url
 
 
 class _WithoutTracebacks(logging.Formatter):

@@ -23,6 +23,11 @@ from typing import Any
 import pytest
 from module_order import DurationRecorder, sort_items
 
+# Every `omni run` / `omni ingest` a test starts (subprocesses inherit this) uses Prefect's temporary
+# server, not omni's local server (flows/local_prefect.py), which would outlive the test session;
+# tests/test_local_prefect.py tests that server and stops it.
+os.environ.setdefault("OMNI_PREFECT_SERVER", "temporary")
+
 # ---- order: the longest modules first (tests/module_order.py) ------------------------------------
 
 

@@ -1,14 +1,15 @@
-"""Algorithms as pure tensor functions: advantages and policy, preference and diffusion losses."""
+"""Algorithms as pure tensor functions: advantages and policy, preference and diffusion losses.
 
-from omni_core.algorithms.flow_grpo import (
-    cfg_combine,
-    flow_grpo_advantages,
-    flow_grpo_loss,
-    flow_sde_step,
-    get_diffusion_loss,
-    register_diffusion_loss,
-)
-from omni_core.algorithms.grpo import grpo_advantages
+`policy_loss` and `preference` import torch only when a loss is computed, and the names of
+`flow_grpo` and `grpo` load on first use, so validating a config (which checks loss names against
+these registries) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from omni_core.algorithms.policy_loss import (
     aggregate,
     get_policy_loss,
@@ -31,6 +32,12 @@ from omni_core.algorithms.preference import (
     sft_loss,
     token_logps,
 )
+
+_TORCH_EXPORTS = {
+    "cfg_combine": "flow_grpo", "flow_grpo_advantages": "flow_grpo", "flow_grpo_loss": "flow_grpo",
+    "flow_sde_step": "flow_grpo", "get_diffusion_loss": "flow_grpo", "register_diffusion_loss": "flow_grpo",
+    "grpo_advantages": "grpo",
+}
 
 __all__ = [
     "aggregate",
@@ -59,3 +66,9 @@ __all__ = [
     "sft_loss",
     "token_logps",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _TORCH_EXPORTS:
+        raise AttributeError(f"module 'omni_core.algorithms' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"omni_core.algorithms.{_TORCH_EXPORTS[name]}"), name)

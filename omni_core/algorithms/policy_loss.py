@@ -27,20 +27,20 @@ reference is given).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Literal
 
 from omni_core.errors import ConfigError
 from omni_core.registry import Registry
+
+if TYPE_CHECKING:  # torch loads with the first loss computed: validating a config needs only the names
+    from torch import Tensor
 
 Agg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Level = Literal["token", "sequence"]
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LEVELS = ("token", "sequence")
 
-PolicyLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
+PolicyLossFn = Callable[..., tuple["Tensor", dict[str, float]]]
 _POLICY_LOSSES: Registry[PolicyLossFn] = Registry(
     "policy loss", hint="add one with @register_policy_loss(NAME) in omni_core/algorithms/policy_loss.py")
 
@@ -80,7 +80,7 @@ def aggregate(loss_mat: Tensor, mask: Tensor, agg: Agg = "token-mean") -> Tensor
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Per-token k3 estimate of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (clamped as verl)."""
     d = (ref_logp - logp).clamp(-20.0, 20.0)
-    return (torch.exp(d) - d - 1).clamp(-10.0, 10.0)
+    return (d.exp() - d - 1).clamp(-10.0, 10.0)
 
 
 def policy_loss(
@@ -112,10 +112,10 @@ def policy_loss(
     else:
         s = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
         log_w = (logp - logp.detach() + s.detach()).clamp(max=10.0)
-    w = torch.exp(log_w)
+    w = log_w.exp()
     unclipped = -adv * w
-    clipped = -adv * torch.clamp(w, 1.0 - clip_low, 1.0 + clip_high)
-    pg_loss = aggregate(torch.maximum(unclipped, clipped), mask, agg)
+    clipped = -adv * w.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg_loss = aggregate(unclipped.maximum(clipped), mask, agg)
     metrics = {
         "actor/pg_loss": pg_loss.item(),
         "actor/pg_clipfrac": masked_mean((clipped > unclipped).to(logp.dtype), mask).item(),

@@ -32,16 +32,16 @@ log-ratio by the completion length; for that, pass `sequence_logps(..., average=
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-
-import torch
-import torch.nn.functional as F
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from omni_core.errors import ConfigError
 from omni_core.registry import Registry
 
+if TYPE_CHECKING:  # torch loads with the first loss computed: validating a config needs only the names
+    from torch import Tensor
+
 # (chosen_logratios, rejected_logratios, beta, label_smoothing) -> per-pair loss [B]
-PairLossFn = Callable[[Tensor, Tensor, float, float], Tensor]
+PairLossFn = Callable[["Tensor", "Tensor", float, float], "Tensor"]
 _PAIR_LOSSES: Registry[PairLossFn] = Registry(
     "preference loss type", hint="add one with @register_preference_loss(NAME) in omni_core/algorithms/preference.py")
 SFT = "sft"  # the one loss type that is not a function of the log-ratios
@@ -72,8 +72,10 @@ def preference_loss_names() -> list[str]:
 @register_preference_loss("sigmoid")
 def sigmoid_loss(chosen: Tensor, rejected: Tensor, beta: float, label_smoothing: float) -> Tensor:
     """DPO (Bradley-Terry) with conservative label smoothing (cDPO)."""
+    from torch.nn.functional import logsigmoid
+
     logits = beta * (chosen - rejected)
-    return -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+    return -(1 - label_smoothing) * logsigmoid(logits) - label_smoothing * logsigmoid(-logits)
 
 
 @register_preference_loss("ipo")
@@ -85,7 +87,9 @@ def ipo_loss(chosen: Tensor, rejected: Tensor, beta: float, label_smoothing: flo
 @register_preference_loss("bco_pair")
 def bco_pair_loss(chosen: Tensor, rejected: Tensor, beta: float, label_smoothing: float) -> Tensor:
     """BCO on pairs: chosen classified as good, rejected as bad, each on its own log-ratio."""
-    return -F.logsigmoid(beta * chosen) - F.logsigmoid(-beta * rejected)
+    from torch.nn.functional import logsigmoid
+
+    return -logsigmoid(beta * chosen) - logsigmoid(-beta * rejected)
 
 
 def sequence_logps(token_logp: Tensor, mask: Tensor, average: bool = False) -> Tensor:
@@ -97,7 +101,7 @@ def sequence_logps(token_logp: Tensor, mask: Tensor, average: bool = False) -> T
 
 def token_logps(logits: Tensor, labels: Tensor) -> Tensor:
     """Per-token log-probs [B, T] of `labels` [B, T] under `logits` [B, T, V] (already aligned)."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    return logits.float().log_softmax(dim=-1).gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
 
 
 def sft_loss(x: Tensor, mask: Tensor, labels: Tensor | None = None) -> Tensor:

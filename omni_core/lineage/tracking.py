@@ -91,6 +91,7 @@ class Tracker:
         # the stage's path; `flush()` waits for them. A local sqlite store is written in place.
         self.background = urlparse(self.tracking_uri).scheme in ("http", "https")
         self._sender: ThreadPoolExecutor | None = None
+        self._starter: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
 
     def experiment_id(self, name: str) -> str:
@@ -114,6 +115,23 @@ class Tracker:
             all_tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
         run = self.client.create_run(self.experiment_id(experiment), run_name=run_name, tags=all_tags)
         return run.info.run_id
+
+    def start_run_soon(self, experiment: str, run_name: str, tags: dict[str, str],
+                       parent_run_id: str | None = None) -> Future[str]:
+        """`start_run` as a future: on a tracking server sent from a thread of its own (not the closing
+        calls' thread, whose queue it would wait behind), so the caller works meanwhile; in place on a
+        local store."""
+        if not self.background:
+            done: Future[str] = Future()
+            try:
+                done.set_result(self.start_run(experiment, run_name, tags, parent_run_id))
+            except Exception as exc:
+                done.set_exception(exc)
+            return done
+        with _SENDER_LOCK:
+            if self._starter is None:
+                self._starter = ThreadPoolExecutor(1, thread_name_prefix="omni-mlflow-start")
+            return self._starter.submit(self.start_run, experiment, run_name, tags, parent_run_id)
 
     def end_run(self, run_id: str, ok: bool = True) -> None:
         status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)

@@ -13,8 +13,10 @@ composition. For each stage `run_stage`:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,14 +159,18 @@ class PipelineRun:
         kind = stage_kind(stage.kind)
         ctx = StageContext(self, stage, self._ancestors(name, upstream), force=name in self.force,
                            on_step=on_step or _no_steps)
-        ctx.mlflow_run_id = self.tracker.start_run(self.config.name, run_name=name,
-                                                   tags=self.stage_tags(name, stage.kind),
-                                                   parent_run_id=self.parent_run_id)
+        # on a tracking server the child run is created on a thread while the stage's cache key and
+        # record lookup proceed (they need no run id); `_run` waits for it before the stage's own work
+        run_id = self.tracker.start_run_soon(self.config.name, run_name=name, tags=self.stage_tags(name, stage.kind),
+                                             parent_run_id=self.parent_run_id)
         started = time.perf_counter()
         try:
-            outcome = self._run(kind, ctx, started)
+            outcome = self._run(kind, ctx, started, run_id)
         except BaseException as exc:
-            self.tracker.end_run_later(ctx.mlflow_run_id, ok=False)
+            if not ctx.mlflow_run_id and run_id.done() and run_id.exception() is None:
+                ctx.mlflow_run_id = run_id.result()
+            if ctx.mlflow_run_id:
+                self.tracker.end_run_later(ctx.mlflow_run_id, ok=False)
             self.outcomes[name] = StageOutcome(name, stage.kind, "failed", time.perf_counter() - started,
                                                ctx.mlflow_run_id, error=_message(exc), cache_key=ctx.cache_key)
             raise
@@ -189,7 +195,7 @@ class PipelineRun:
         return cache.key_inputs(kind=stage.kind, kind_version=kind.version, config=config, upstream=upstream,
                                 inputs=ctx.inputs or {})
 
-    def _run(self, kind: StageKind, ctx: StageContext, started: float) -> StageOutcome:
+    def _run(self, kind: StageKind, ctx: StageContext, started: float, run_id: Future[str]) -> StageOutcome:
         name = ctx.stage.name
         ctx.inputs = kind.inputs(ctx)
         parts: dict[str, Any] | None = None
@@ -197,14 +203,18 @@ class PipelineRun:
         if ctx.inputs is not None:
             parts = self._key_parts(kind, ctx)
             ctx.cache_key = cache.cache_key(parts)
-            self.tracker.set_tags(ctx.mlflow_run_id, {"omni.cache_key": ctx.cache_key}, later=True)
             if ctx.force:
                 state, note = FORCED, f"forced (--force {name}); cache key {ctx.cache_key}"
             else:
-                record = cache.load_record(self.store, self.config.name, name, ctx.cache_key)
+                record, history = self._lookup(name, ctx.cache_key)
                 if record is not None and kind.verify(ctx, record.outputs):
+                    ctx.mlflow_run_id = run_id.result()
+                    self.tracker.set_tags(ctx.mlflow_run_id, {"omni.cache_key": ctx.cache_key}, later=True)
                     return self._reuse(kind, ctx, record, started)
-                state, note = MISS, self._why_miss(name, ctx.cache_key, parts, record)
+                state, note = MISS, self._why_miss(name, ctx.cache_key, parts, record, history)
+        ctx.mlflow_run_id = run_id.result()
+        if ctx.cache_key:
+            self.tracker.set_tags(ctx.mlflow_run_id, {"omni.cache_key": ctx.cache_key}, later=True)
         self.progress(f"stage {name}: running ({note})")
         outputs = kind.run(ctx)
         output_digest = cache.digest(kind.digest(outputs))
@@ -236,10 +246,21 @@ class PipelineRun:
                             record_uri=self.store.uri(cache.record_key(self.config.name, name, record.cache_key)),
                             report=record.report)
 
-    def _why_miss(self, name: str, key: str, parts: dict[str, Any], record: cache.StageRecord | None) -> str:
+    def _lookup(self, name: str, key: str) -> tuple[cache.StageRecord | None, Future[dict[str, float]] | None]:
+        """The stage's record under `key` (None: a miss) and, on S3, the listing of its earlier records
+        (what `_why_miss` reads), started beside the record's GET: a miss then waits for one round trip,
+        not two (a hit leaves the listing unread). A local store lists only on a miss."""
+        history = None
+        if self.store.root.startswith("s3://"):
+            history = _background().submit(cache.record_times, self.store, self.config.name, name)
+        return cache.load_record(self.store, self.config.name, name, key), history
+
+    def _why_miss(self, name: str, key: str, parts: dict[str, Any], record: cache.StageRecord | None,
+                  history: Future[dict[str, float]] | None = None) -> str:
         if record is not None:
             return f"cache key {key}: the recorded outputs are gone from the store"
-        previous = cache.latest_record(self.store, self.config.name, name)
+        times = history.result() if history is not None else None
+        previous = cache.latest_record(self.store, self.config.name, name, times)
         if previous is None:
             return f"cache key {key}: no earlier record of this stage"
         return f"cache key {key}: changed since {previous.cache_key}: {cache.explain_change(previous.key_inputs, parts)}"
@@ -295,6 +316,19 @@ class PipelineRun:
             "forced": sorted(self.force),
             "stages": stages,
         }
+
+
+_BACKGROUND: ThreadPoolExecutor | None = None
+_BACKGROUND_LOCK = threading.Lock()
+
+
+def _background() -> ThreadPoolExecutor:
+    """Threads for a stage's store requests that overlap others (one set per process)."""
+    global _BACKGROUND
+    with _BACKGROUND_LOCK:
+        if _BACKGROUND is None:
+            _BACKGROUND = ThreadPoolExecutor(4, thread_name_prefix="omni-store")
+        return _BACKGROUND
 
 
 def _message(error: BaseException | str) -> str:

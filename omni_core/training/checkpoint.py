@@ -29,14 +29,13 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
+from typing import TYPE_CHECKING, Any
 
 from omni_core.errors import OmniError
 from omni_core.storage import Store
+
+if TYPE_CHECKING:  # torch loads when a checkpoint is written or read: not for its paths (a cached re-run)
+    import torch
 
 MANIFEST = "_manifest.json"
 LATEST = "latest_checkpointed_iteration.txt"
@@ -69,6 +68,9 @@ POLICY_REFERENCE = "state/policy.json"
 
 
 def _state_files(state: TrainingState, policy_in: dict[str, list[str]] | None = None) -> dict[str, bytes]:
+    import torch
+    from safetensors.torch import save as save_safetensors
+
     buffer = io.BytesIO()
     torch.save(state.optimizer, buffer)
     policy = ({POLICY_REFERENCE: (json.dumps({"weights": policy_in}, sort_keys=True, indent=2) + "\n").encode()}
@@ -88,6 +90,7 @@ def _policy_in_weights(policy: dict[str, torch.Tensor], folder: Path, weights: l
     """{weights file: the policy names it holds} when every policy tensor is in the exported weights
     files under its own name with the same dtype and values; else None (a LoRA adapter's names, tied
     or converted weights: the policy is then written out whole)."""
+    import torch
     from safetensors import safe_open
 
     if not policy or not weights:
@@ -179,6 +182,9 @@ def prune_checkpoints(store: Store, stage_root: str, *, keep: int | None, newest
 
 def load_training_state(store: Store, manifest: dict[str, Any]) -> TrainingState:
     """The `state/` of a committed checkpoint, each file checked against the manifest's sha256."""
+    import torch
+    from safetensors.torch import load as load_safetensors
+
     prefix = store_key(store, manifest["uri"])
     listed = {f["path"]: f for f in manifest["files"]}
     if "state/state.json" not in listed:
