@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from flows.cli_options import state
-from flows.prefect_env import quiet_prefect_tracebacks, use_embedded_prefect
+from flows.prefect_env import quiet_prefect_tracebacks, start_embedded_prefect_once, use_embedded_prefect
 from omni_core.config import ConfigValidationError, PipelineConfig, load_pipeline
 from omni_core.errors import OmniError
 
@@ -102,6 +102,7 @@ def run(
     from flows.pipeline import pipeline  # imports Prefect: only when a run is asked for
 
     quiet_prefect_tracebacks()
+    start_embedded_prefect_once(prefect_home)
 
     started = time.perf_counter()
     summary = pipeline(pipeline_file=str(pipeline_file), overrides=list(overrides or []), force=list(force or []))

@@ -27,14 +27,15 @@ def ingest_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Ingest a raw dataset into a versioned Parquet dataset (a Prefect flow; logged to MLflow)."""
-    from flows.prefect_env import quiet_prefect_tracebacks, use_embedded_prefect
+    from flows.prefect_env import quiet_prefect_tracebacks, start_embedded_prefect_once, use_embedded_prefect
     from omni_core.storage import Store
 
     Store(store).check_writable()
-    use_embedded_prefect()
+    home = use_embedded_prefect()
     from flows.ingest import ingest
 
     quiet_prefect_tracebacks()
+    start_embedded_prefect_once(home)
     [result] = ingest(name=name, source=source, converter=converter, store=store, tracking_uri=tracking_uri,
                       workers=workers, max_quarantine_fraction=max_quarantine_fraction)
     if as_json:

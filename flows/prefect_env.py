@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from flows.cli_options import state
+from omni_core.file_lock import file_lock
 from omni_core.paths import OMNI_HOME
 
 
@@ -24,6 +25,26 @@ def use_embedded_prefect() -> str | None:
     # The first start migrates a fresh database; on a busy 2-core machine that can exceed the 20 s default.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     return home
+
+
+def start_embedded_prefect_once(home: str | None) -> None:
+    """The first `omni` run on a fresh PREFECT_HOME (or after a Prefect upgrade) starts Prefect's
+    temporary server under a lock beside its database, so that one process creates and migrates the
+    database and registers Prefect's blocks; several runs started together otherwise each migrate the
+    same sqlite file at once and fail (`NoSuchTableError: block`). The server started here is the one
+    the flow then uses (Prefect keeps one per process); later runs find the marker and skip the lock."""
+    if home is None:
+        return
+    import prefect
+    from prefect.server.api.server import SubprocessASGIServer
+
+    marker = Path(home) / f".omni-migrated-{prefect.__version__}"
+    if marker.exists():
+        return
+    with file_lock(Path(home) / "prefect.db.lock"):
+        if not marker.exists():
+            SubprocessASGIServer().start()
+            marker.touch()
 
 
 class _WithoutTracebacks(logging.Formatter):
