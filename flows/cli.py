@@ -21,7 +21,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from flows.cli_options import state
-from flows.prefect_env import quiet_prefect_tracebacks, start_embedded_api, use_embedded_prefect
+from flows.prefect_env import (
+    quiet_prefect_tracebacks,
+    start_embedded_api,
+    start_embedded_prefect_once,
+    use_embedded_prefect,
+)
 from omni_core.config import ConfigValidationError, PipelineConfig, load_pipeline
 from omni_core.errors import OmniError
 
@@ -106,6 +111,8 @@ def run(
 
     quiet_prefect_tracebacks()
     prefect_ui = api_ready()
+    if prefect_ui is None:  # Prefect's temporary server: the first of several runs migrates its database
+        start_embedded_prefect_once(prefect_home)
 
     started = time.perf_counter()
     summary = pipeline(pipeline_file=str(pipeline_file), overrides=list(overrides or []), force=list(force or []))

@@ -27,18 +27,25 @@ def ingest_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Ingest a raw dataset into a versioned Parquet dataset (a Prefect flow; logged to MLflow)."""
-    from flows.prefect_env import quiet_prefect_tracebacks, start_embedded_api, use_embedded_prefect
+    from flows.prefect_env import (
+        quiet_prefect_tracebacks,
+        start_embedded_api,
+        start_embedded_prefect_once,
+        use_embedded_prefect,
+    )
     from omni_core.config import validate_dataset
     from omni_core.storage import Store
 
     validate_dataset(name, {"source": source, "converter": converter or name,  # before any server starts
                             "max_quarantine_fraction": max_quarantine_fraction})
     Store(store).check_writable()
-    api_ready = start_embedded_api(use_embedded_prefect())  # omni's local Prefect server, started or reused
+    home = use_embedded_prefect()
+    api_ready = start_embedded_api(home)  # omni's local Prefect server, started or reused
     from flows.ingest import ingest
 
     quiet_prefect_tracebacks()
-    api_ready()
+    if api_ready() is None:  # Prefect's temporary server: the first of several runs migrates its database
+        start_embedded_prefect_once(home)
     [result] = ingest(name=name, source=source, converter=converter, store=store, tracking_uri=tracking_uri,
                       workers=workers, max_quarantine_fraction=max_quarantine_fraction)
     if as_json:

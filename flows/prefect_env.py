@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from flows.cli_options import state
+from omni_core.file_lock import file_lock
 from omni_core.paths import OMNI_HOME
 
 
@@ -67,6 +68,26 @@ def use_running_api(home: str | None) -> str | None:
     os.environ["PREFECT_API_URL"] = server.api_url
     os.environ["PREFECT_UI_URL"] = server.url
     return server.url
+
+
+def start_embedded_prefect_once(home: str | None) -> None:
+    """The first `omni` run on a fresh PREFECT_HOME (or after a Prefect upgrade) starts Prefect's
+    temporary server under a lock beside its database, so that one process creates and migrates the
+    database and registers Prefect's blocks; several runs started together otherwise each migrate the
+    same sqlite file at once and fail (`NoSuchTableError: block`). The server started here is the one
+    the flow then uses (Prefect keeps one per process); later runs find the marker and skip the lock."""
+    if home is None:
+        return
+    import prefect
+    from prefect.server.api.server import SubprocessASGIServer
+
+    marker = Path(home) / f".omni-migrated-{prefect.__version__}"
+    if marker.exists():
+        return
+    with file_lock(Path(home) / "prefect.db.lock"):
+        if not marker.exists():
+            SubprocessASGIServer().start()
+            marker.touch()
 
 
 class _WithoutTracebacks(logging.Formatter):

@@ -1,6 +1,7 @@
 """Running a whole pipeline in the test process: every stage in dependency order, then the finish
 (the Prefect flow does the same with a task per stage; these tests are about the stages); and the
-small ingest -> rl -> eval -> register pipeline that several test modules run."""
+small ingest -> rl -> eval -> register pipeline that several test modules run, and the sweep of
+four such runs at once (tests/test_concurrency.py, tests/test_scaled_stack.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from omni_core.config import PipelineConfig
+from omni_core.lineage.model_registry import CANDIDATE, CHAMPION
 from omni_core.pipeline.run import PipelineRun
 
 
@@ -51,3 +55,48 @@ def digits_pipeline(workdir: Path, *, name: str, store: str, tracking_uri: str, 
              **(register or {})},
         ],
     }
+
+
+SWEEP = [(0, 1e-2), (1, 1e-2), (0, 3e-2), (0, 1e-2)]  # seed, lr; the last is the first again
+
+
+def sweep_configs(workdir: Path, *, store: str, tracking_uri: str, model_name: str, ray_address: str,
+                  name: str = "sweep") -> list[Path]:
+    """The four pipeline files of the sweep (one reward file for all: the duplicate is exact)."""
+    paths = []
+    for i, (seed, lr) in enumerate(SWEEP):
+        folder = workdir / f"p{i}"
+        folder.mkdir(parents=True, exist_ok=True)
+        config = digits_pipeline(workdir, name=name, store=store, tracking_uri=tracking_uri, seed=seed,
+                                 model_name=model_name, samples=2)
+        next(s for s in config["stages"] if s["name"] == "rl")["trainer"]["lr"] = lr
+        config["ray"] = {"address": ray_address}
+        (folder / "pipeline.yaml").write_text(yaml.safe_dump(config))
+        paths.append(folder / "pipeline.yaml")
+    return paths
+
+
+def check_sweep(client: Any, model_name: str, experiment: str, runs: int) -> dict[str, float]:
+    """One MLflow experiment; a register stage run per pipeline run, each naming a version that exists;
+    one version per distinct checkpoint (the duplicate shares the first's); `candidate` on the newest,
+    `champion` on the best score (ties: the lower version). Returns version -> score."""
+    [exp] = client.search_experiments(filter_string=f"name = '{experiment}'")
+    registers = client.search_runs([exp.experiment_id], "tags.`omni.stage_kind` = 'register'")
+    assert len(registers) == runs, [r.data.tags for r in registers]
+    versions = list(client.search_model_versions(f"name='{model_name}'"))
+    by_checkpoint: dict[str, list[str]] = {}
+    for v in versions:
+        by_checkpoint.setdefault(v.tags["omni.checkpoint_sha256"], []).append(str(v.version))
+    assert all(len(vs) == 1 for vs in by_checkpoint.values()), by_checkpoint  # the duplicate shares one
+    assert 2 <= len(versions) <= runs - 1, by_checkpoint  # three distinct pipelines (two may train alike)
+    assert {r.data.tags["omni.registered_version"] for r in registers} == {str(v.version) for v in versions}
+    newest = max(int(v.version) for v in versions)
+    assert str(client.get_model_version_by_alias(model_name, CANDIDATE).version) == str(newest)
+    scores = {str(v.version): float(v.tags["omni.score"]) for v in versions}
+    best = max(scores.values())
+    champion = str(client.get_model_version_by_alias(model_name, CHAMPION).version)
+    assert scores[champion] == best, (champion, scores)
+    assert min((v for v, s in scores.items() if s == best), key=int) == champion
+    promoted = [v for v in versions if v.tags.get("omni.promotion") == "promoted"]
+    assert str(champion) in {str(v.version) for v in promoted}
+    return scores

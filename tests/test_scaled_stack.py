@@ -38,7 +38,7 @@ import httpx
 import pytest
 import yaml
 from auth_servers import iam_moto, mlflow_server, prefect_server, stop
-from pipeline_runs import digits_pipeline
+from pipeline_runs import check_sweep, digits_pipeline, sweep_configs
 from postgres import pg_bin, start_postgres
 from ray_cluster import start_cluster
 
@@ -237,6 +237,33 @@ def test_no_secret_in_a_database_dump_or_a_log(stack: dict, first_run: Any) -> N
         for name, value in values.items():
             assert value not in text, f"the {name} secret is in {where}"
     assert "pipeline/local" in stack["deploy_out"]
+
+
+def test_a_sweep_of_four_runs_at_once_on_the_stack(stack: dict) -> None:
+    """tests/test_concurrency.py's sweep on the stack: four deployment runs created at once (three
+    pipelines differing in seed and lr, one an exact duplicate of the first), one S3 store, the
+    Postgres-backed MLflow server, the cluster; all complete, the registry holds one version per distinct
+    checkpoint with `candidate` and `champion` settled, lineage and `omni verify` pass."""
+    store = f"s3://{stack['bucket']}/sweep"
+    paths = sweep_configs(stack["folder"] / "sweep", store=store, tracking_uri=stack["mlflow"].url,
+                          model_name="stack-sweep", ray_address=stack["cluster"].address, name="stack-sweep")
+    created = [create_run(stack, {"pipeline_file": str(p), "overrides": []}) for p in paths]
+    with ThreadPoolExecutor(len(created)) as pool:
+        finals = list(pool.map(lambda run: wait_final(stack, run.id), created))
+    assert all(run.state.is_completed() for run in finals), \
+        f"{[str(r.state) for r in finals]}: {stack['worker_log'].read_text()[-4000:]}"
+    from mlflow import MlflowClient
+
+    os.environ.update(stack["mlflow"].client_env())
+    try:
+        check_sweep(MlflowClient(stack["mlflow"].url), "stack-sweep", "stack-sweep", len(paths))
+    finally:
+        for name in stack["mlflow"].client_env():
+            os.environ.pop(name, None)
+    lineage = omni(stack, "lineage", "models:/stack-sweep@champion", "--pipeline", str(paths[0]), "--json")
+    assert lineage.returncode == 0, lineage.stdout + lineage.stderr
+    verify = omni(stack, "verify", "--store", store)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
 def fault_pipeline(stack: dict, store: str, address: str) -> Path:

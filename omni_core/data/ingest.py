@@ -1,8 +1,13 @@
 """Ingest a raw dataset into a versioned, content-addressed set of verl Parquet shards in the store.
 
 Layout (docs/design.md): datasets/{name}/{version}/{split}-{shard:05d}.parquet, quarantine.parquet,
-_manifest.json (written last: its presence commits the version), and datasets/{name}/LATEST.
-A failed ingest removes what it wrote and leaves LATEST alone.
+_manifest.json (written last: its presence commits the version), and datasets/{name}/LATEST, the
+version committed last. A failed ingest removes what it wrote and leaves LATEST alone.
+
+Two ingests of the same version at once (two identical runs) write the same shard names with the same
+bytes, each shard replacing its name whole: nothing is deleted before the write, and a failed attempt
+deletes nothing once the other committed. LATEST is settled on the newest commit (`settle_pointer`):
+two versions committed at once never leave it on the older one.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from omni_core.data.shards import ShardWriters, parquet_write_options  # noqa: F
 from omni_core.data.sources import RawSource, resolve_source
 from omni_core.errors import DataError
 from omni_core.media_limits import MediaLimits
-from omni_core.storage import Store
+from omni_core.storage import Store, settle_pointer
 
 MANIFEST = "_manifest.json"
 BATCH_ROWS = 256  # rows per conversion batch and per Parquet row group
@@ -120,7 +125,8 @@ def ingest(store: Store, name: str, config: DatasetConfig, progress: Progress = 
     if store.exists(f"{prefix}/{MANIFEST}"):
         progress(f"dataset {name}: version {version} already committed; nothing to do")
         if not store.exists(f"datasets/{name}/LATEST") or store.read_text(f"datasets/{name}/LATEST").strip() != version:
-            store.write_text(f"datasets/{name}/LATEST", version + "\n")
+            store.write_json(f"{prefix}/{MANIFEST}", store.read_json(f"{prefix}/{MANIFEST}"))  # committed again: now
+            settle_latest(store, name)
         return load_version(store, name, version)
 
     splits = converter.splits(raw)
@@ -129,17 +135,40 @@ def ingest(store: Store, name: str, config: DatasetConfig, progress: Progress = 
                         f"among {sorted(raw.files)[:5]}; check that the source is a {converter.name} dataset")
     progress(f"dataset {name}: converting {len(raw.files)} raw file(s) with {converter.name} v{converter.version}"
              + (f" on {workers} workers" if workers > 1 else ""))
-    store.delete(prefix)  # leftovers of an interrupted attempt: never mixed into this one
-    try:
+    try:  # an interrupted attempt's leftovers are overwritten: the same names, the same bytes
         with without_huge_pages():
             manifest = _convert(store, name, version, prefix, raw, converter, config, options, splits, progress,
                                 workers)
+        missing = _missing_shards(store, prefix, manifest)
+        if missing:
+            raise DataError(f"dataset {name}: shard(s) {', '.join(missing[:3])} of version {version} vanished while "
+                            "it was written (a concurrent ingest of the same version failed and removed its "
+                            "files?); run the ingest again")
     except BaseException:
-        store.delete(prefix)  # no half-written version stays behind
+        if not store.exists(f"{prefix}/{MANIFEST}"):  # committed by a concurrent ingest: keep it
+            store.delete(prefix)  # no half-written version stays behind
         raise
     store.write_json(f"{prefix}/{MANIFEST}", manifest)  # the commit point
-    store.write_text(f"datasets/{name}/LATEST", version + "\n")
+    settle_latest(store, name)
     return DatasetVersion(name, version, store.uri(prefix), manifest, False)
+
+
+def _missing_shards(store: Store, prefix: str, manifest: dict[str, Any]) -> list[str]:
+    """The files the manifest is about to list that the store does not hold (one listing)."""
+    held = set(store.list(prefix))
+    wanted = [s["key"] for e in manifest["splits"].values() for s in e["shards"]]
+    wanted += [manifest["quarantine"]] if manifest.get("quarantine") else []
+    return [k for k in wanted if k not in held]
+
+
+def settle_latest(store: Store, name: str) -> None:
+    """datasets/{name}/LATEST on the version whose manifest was written last (ties: the greater id)."""
+    def newest() -> str | None:
+        manifests = {k.split("/")[2]: t for k, t in store.list_modified(f"datasets/{name}").items()
+                     if k.endswith(f"/{MANIFEST}") and k.count("/") == 3}
+        return max(manifests, key=lambda v: (manifests[v], v)) if manifests else None
+
+    settle_pointer(store, f"datasets/{name}/LATEST", newest)
 
 
 def _convert(store: Store, name: str, version: str, prefix: str, raw: RawSource, converter: Converter,

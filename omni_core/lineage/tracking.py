@@ -23,10 +23,12 @@ from typing import Any
 from urllib.parse import urlparse
 
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from omni_core.errors import ConfigError
+from omni_core.file_lock import file_lock
 from omni_core.lineage.redact import env_secrets, redact, redact_mapping, redact_text
 
 TAG_PREFIX = "omni."
@@ -46,6 +48,18 @@ def normalize_tracking_uri(tracking_uri: str) -> str:
     """Absolute sqlite paths, so Ray workers started elsewhere write to the same database."""
     db = sqlite_path(tracking_uri)
     return f"sqlite:///{db.resolve()}" if db is not None else tracking_uri
+
+
+def sqlite_client(tracking_uri: str, db: Path) -> MlflowClient:
+    """Creates (or migrates) the tracking and registry tables of a sqlite database once: MLflow does it
+    when a process first opens a store, with no guard against a second process doing the same at once
+    (`duplicate column name`, `table _alembic_tmp_experiments already exists`). Under a lock beside the
+    database the first process creates them and the others wait, then find them current. MLflow keeps
+    the opened stores per process (the lock is taken again, not the migration run)."""
+    with file_lock(db.with_name(db.name + ".lock")):
+        client = MlflowClient(tracking_uri=tracking_uri)  # opens the tracking store
+        client.search_registered_models(max_results=1)  # opens the registry store
+    return client
 
 
 def inherited_tags(parent_tags: dict[str, str]) -> dict[str, str]:
@@ -85,7 +99,8 @@ class Tracker:
         # MLflow's client prints a "View run" link when a run ends, reading the run again for it: a
         # request a stage would wait for on a tracking server. The pipeline prints its own UI link.
         os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.client = (MlflowClient(tracking_uri=self.tracking_uri) if db is None
+                       else sqlite_client(self.tracking_uri, db))
         self._experiments: dict[str, str] = {}  # name -> id: one lookup per experiment, not one per run
         # on a tracking server, a stage's closing calls go on one background thread (in order), off
         # the stage's path; `flush()` waits for them. A local sqlite store is written in place.
@@ -106,7 +121,13 @@ class Tracker:
         db = sqlite_path(self.tracking_uri)
         # With a sqlite store MLflow would put artifacts in ./mlruns of whatever cwd; keep them beside the db.
         location = (db.parent / "mlartifacts" / name).resolve().as_uri() if db is not None else None
-        return self.client.create_experiment(name, artifact_location=location)
+        try:
+            return self.client.create_experiment(name, artifact_location=location)
+        except MlflowException:  # another run created it since the lookup: use that one
+            experiment = self.client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+            return experiment.experiment_id
 
     def start_run(self, experiment: str, run_name: str, tags: dict[str, str], parent_run_id: str | None = None) -> str:
         run_name = redact_text(run_name)

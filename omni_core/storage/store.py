@@ -456,6 +456,34 @@ def open_store(root: str) -> Store:
     return Store(root)
 
 
+POINTER_ROUNDS = 20  # each a read after a writer's write; two writers settle in two or three
+
+
+def settle_pointer(store: Store, key: str, newest: Callable[[], str | None]) -> str | None:
+    """Points the text object `key` (a LATEST pointer) at `newest()`, what the store's committed objects
+    name (the newest committed checkpoint step, the dataset version committed last), until a round
+    with no write in between agrees: the pointer read, `newest()` read from the store, the pointer read
+    again and unchanged. A store has no compare-and-set; two writers that each wrote their own value
+    (one of them stale) settle this way on the newest, whoever wrote last: the pointer never ends on an
+    older commit because of a race. Returns the value it ends on."""
+    def read() -> str | None:
+        try:
+            return store.read_text(key).strip() or None
+        except ObjectNotFoundError:
+            return None
+
+    current: str | None = None
+    for _ in range(POINTER_ROUNDS):
+        current = read()
+        wanted = newest()
+        if read() != current:
+            continue  # moved by another writer meanwhile: evaluate again
+        if wanted is None or current == wanted:
+            return current
+        store.write_text(key, wanted + "\n")
+    return current
+
+
 class _Sink(io.RawIOBase):
     """The writable face of a staged object: closing it flushes but does not commit."""
 

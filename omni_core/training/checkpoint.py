@@ -27,12 +27,13 @@ import io
 import json
 import re
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omni_core.errors import OmniError
-from omni_core.storage import Store
+from omni_core.storage import Store, settle_pointer
 
 if TYPE_CHECKING:  # torch loads when a checkpoint is written or read: not for its paths (a cached re-run)
     import torch
@@ -117,9 +118,12 @@ def save_checkpoint(store: Store, stage_root: str, step: int, model: Any, tokeni
                     keep: int | None = None) -> dict[str, Any]:
     """Writes model (safetensors) and tokenizer files and the training `state`, then the manifest
     (the commit), then the latest pointer; then deletes all but the newest `keep` committed
-    checkpoints, and any uncommitted (half-written) one older than this."""
+    checkpoints, and any uncommitted (half-written) one older than this that nobody writes any more.
+
+    Nothing is deleted before the write: each file replaces its name whole, so the leftovers of an
+    earlier, failed write of this step are overwritten, and a concurrent identical run (same run key,
+    same seed: the same bytes) writing the same step never finds the other's files gone under it."""
     prefix = checkpoint_prefix(stage_root, step)
-    store.delete(prefix)  # the leftovers of an earlier, failed write of this step
     files = []
     with tempfile.TemporaryDirectory(prefix="omni-ckpt-") as tmp:
         trained = Path(tmp)
@@ -148,9 +152,19 @@ def save_checkpoint(store: Store, stage_root: str, step: int, model: Any, tokeni
     manifest = {"global_step": step, "uri": store.uri(prefix), "files": files,
                 "weights": weights[0] if weights else None, **metadata}
     store.write_json(f"{prefix}/{MANIFEST}", manifest)
-    store.write_text(f"{stage_root}/{LATEST}", f"{step}\n")
+    settle_latest(store, stage_root)
     prune_checkpoints(store, stage_root, keep=keep, newest=step)
     return manifest
+
+
+def settle_latest(store: Store, stage_root: str) -> None:
+    """The latest pointer on the newest committed step (`settle_pointer`): a concurrent writer of the
+    same run key that commits an older step after this one's newer never moves it back."""
+    def newest() -> str | None:
+        committed = [s for s, ok in checkpoint_steps(store, stage_root).items() if ok]
+        return str(max(committed)) if committed else None
+
+    settle_pointer(store, f"{stage_root}/{LATEST}", newest)
 
 
 _STEP_DIR = re.compile(r"checkpoints/global_step_(\d+)/")
@@ -158,21 +172,36 @@ _STEP_DIR = re.compile(r"checkpoints/global_step_(\d+)/")
 
 def checkpoint_steps(store: Store, stage_root: str) -> dict[int, bool]:
     """Every global_step_N folder under the stage: N -> committed (has its manifest)."""
-    steps: dict[int, bool] = {}
-    for key in store.list(f"{stage_root}/checkpoints"):
+    return {step: committed for step, (committed, _) in _step_folders(store, stage_root).items()}
+
+
+def _step_folders(store: Store, stage_root: str) -> dict[int, tuple[bool, float]]:
+    """N -> (committed, when its newest file was written), from one listing."""
+    steps: dict[int, tuple[bool, float]] = {}
+    for key, modified in store.list_modified(f"{stage_root}/checkpoints").items():
         match = _STEP_DIR.search(key[len(stage_root):])
         if match:
             step = int(match.group(1))
-            steps[step] = steps.get(step, False) or key.endswith(f"/{MANIFEST}")
+            committed, newest = steps.get(step, (False, 0.0))
+            steps[step] = (committed or key.endswith(f"/{MANIFEST}"), max(newest, modified))
     return steps
 
 
-def prune_checkpoints(store: Store, stage_root: str, *, keep: int | None, newest: int) -> list[int]:
-    """Delete committed checkpoints beyond the newest `keep` and uncommitted ones below `newest`;
-    returns the steps deleted."""
-    steps = checkpoint_steps(store, stage_root)
+# An uncommitted step folder is a leftover once nothing was written to it for this long; before that
+# it may be a write in progress (a concurrent run of the same run key behind this one: deleting its
+# files under it would let it commit a manifest that lists files that are gone).
+LEFTOVER_AFTER_S = 3600.0
+
+
+def prune_checkpoints(store: Store, stage_root: str, *, keep: int | None, newest: int,
+                      now: float | None = None) -> list[int]:
+    """Delete committed checkpoints beyond the newest `keep` and the uncommitted leftovers below
+    `newest` (untouched for LEFTOVER_AFTER_S); returns the steps deleted."""
+    folders = _step_folders(store, stage_root)
+    now = time.time() if now is None else now
+    steps = {s: ok for s, (ok, _) in folders.items()}
     committed = sorted((s for s, ok in steps.items() if ok), reverse=True)
-    doomed = [s for s, ok in steps.items() if not ok and s < newest]
+    doomed = [s for s, (ok, written) in folders.items() if not ok and s < newest and now - written > LEFTOVER_AFTER_S]
     if keep is not None:
         doomed += [s for s in committed[keep:] if s != newest]
     for step in sorted(doomed):

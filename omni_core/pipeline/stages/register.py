@@ -9,6 +9,10 @@ the current champion's score (its eval run's metric) by more than `margin` in th
 scores are tags on the version either way: `omni.promotion` (promoted | kept), `omni.score`,
 `omni.champion_score`.
 
+Several runs may register into one model at once (omni_core.lineage.model_registry): a version per
+registration (two identical runs at once share one), `candidate` on the newest version, and a
+`champion` that two racing promotions settle on the better of.
+
 Cache inputs: the eval result's digest (a re-run with the same checkpoint and scores registers
 nothing new while its version is still in the registry). Outputs: model_name, version, promoted,
 score, champion_version.
@@ -26,12 +30,21 @@ from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 
 from omni_core.config.models import RegisterStage
 from omni_core.errors import ConfigError
+from omni_core.lineage.model_registry import (
+    CANDIDATE,
+    CHAMPION,
+    KEPT,
+    PROMOTED,
+    REGISTER_KEY,
+    ensure_registered_model,
+    keep_first_of_key,
+    settle_candidate,
+    settle_champion,
+)
 from omni_core.lineage.redact import redact_mapping, redact_text
 from omni_core.pipeline.stages import register_stage
 from omni_core.pipeline.stages.eval import eval_digest, mlflow_metric_name, source_outcome
 
-CANDIDATE, CHAMPION = "candidate", "champion"
-PROMOTED, KEPT = "promoted", "kept"
 _global_uri_lock = threading.Lock()
 
 
@@ -82,17 +95,12 @@ def score_of(client: Any, version: Any, metric: str) -> float | None:
     return None
 
 
-def ensure_registered_model(client: Any, name: str, pipeline: str) -> None:
-    try:
-        client.get_registered_model(name)
-    except MlflowException:
-        client.create_registered_model(name, tags=redact_mapping({"omni.pipeline": pipeline}),
-                                       description=redact_text(f"Checkpoints registered by pipeline {pipeline}"))
-
-
-def create_version(tracker: Any, name: str, model_id: str | None, checkpoint_uri: str, **options: Any) -> Any:
+def create_version(tracker: Any, name: str, model_id: str | None, checkpoint_uri: str, key: str = "",
+                   **options: Any) -> Any:
     """A new version of `name` whose source is the logged model `models:/{model_id}` (else the checkpoint
     URI), recorded on the logged model as MLflow's `register_model` does (tag mlflow.modelVersions).
+    With `key` (tag omni.register_key): the version registered under that key first when a concurrent
+    run registered it too (`keep_first_of_key`).
 
     MLflow's SQL registry resolves a `models:/` source with a client of the process-wide tracking URI,
     not this client's: that URI is set to ours for the call (under a lock; our clients all name theirs).
@@ -102,10 +110,17 @@ def create_version(tracker: Any, name: str, model_id: str | None, checkpoint_uri
     options = {**options, "tags": redact_mapping(options.get("tags") or {}),
                "description": redact_text(options.get("description") or "")}
     checkpoint_uri = redact_text(checkpoint_uri)
+    if key:
+        options["tags"][REGISTER_KEY] = key
     if model_id is None:
-        return client.create_model_version(name, source=checkpoint_uri, **options)
+        version = client.create_model_version(name, source=checkpoint_uri, **options)
+        return keep_first_of_key(client, name, version, key)[0] if key else version
     with _global_uri_lock, _use_tracking_uri(tracker.tracking_uri):
         version = client.create_model_version(name, source=f"models:/{model_id}", model_id=model_id, **options)
+    if key:
+        version, created = keep_first_of_key(client, name, version, key)
+        if not created:  # the other run records it on its logged model
+            return version
     listed = client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS)
     entries = (json.loads(listed) if listed else []) + [{"name": name, "version": version.version}]
     client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(entries)})
@@ -125,9 +140,6 @@ def run_register(ctx: Any) -> dict[str, Any]:
     score = float(metrics[metric])
     model_id = evaluated.get("model_id")
     ensure_registered_model(client, stage.model_name, ctx.config.name)
-    champion = champion_of(client, stage.model_name)
-    champion_score = score_of(client, champion, metric) if champion is not None else None
-
     tags = {"omni.pipeline": ctx.config.name, "omni.run_key": evaluated["run_key"],
             "omni.checkpoint_uri": evaluated["checkpoint_uri"], "omni.checkpoint_sha256": evaluated["weights_sha256"],
             "omni.global_step": str(evaluated["global_step"]), "omni.model_id": model_id or "",
@@ -136,31 +148,47 @@ def run_register(ctx: Any) -> dict[str, Any]:
             "omni.dataset": evaluated["dataset"], "omni.dataset_version": evaluated["dataset_version"],
             "omni.metric": metric, "omni.score": repr(score)}
     version = create_version(
-        ctx.tracker, stage.model_name, model_id, evaluated["checkpoint_uri"], run_id=evaluated["eval_run_id"],
-        tags=tags, description=f"{evaluated['checkpoint_uri']} ({stage.metric} {score:.6g})")
-    client.set_registered_model_alias(stage.model_name, CANDIDATE, version.version)
+        ctx.tracker, stage.model_name, model_id, evaluated["checkpoint_uri"],
+        key="" if ctx.force else ctx.cache_key,  # --force register: a new version on purpose
+        run_id=evaluated["eval_run_id"], tags=tags,
+        description=f"{evaluated['checkpoint_uri']} ({stage.metric} {score:.6g})")
+    settle_candidate(client, stage.model_name)
+    champion = champion_of(client, stage.model_name)
+    champion_score = score_of(client, champion, metric) if champion is not None else None
 
-    if champion is None:
-        promoted, why = True, "no champion yet"
-    elif champion_score is None:
-        promoted, why = True, f"champion version {champion.version} has no {stage.metric} to compare"
+    if champion is not None and str(champion.version) == str(version.version):
+        # a concurrent identical run registered this version (keep_first_of_key) and promoted it already
+        promoted, why = True, champion.tags.get("omni.promotion_reason") or "promoted by the run that registered it"
+        champion_score = float(champion.tags["omni.champion_score"]) if champion.tags.get("omni.champion_score") else None
     else:
-        promoted = beats(score, champion_score, stage)
-        better = "greater" if stage.greater_is_better else "lower"
-        why = (f"{stage.metric} {score:.6g} vs champion version {champion.version}'s {champion_score:.6g} "
-               f"({better} is better, margin {stage.margin:g})")
-    if promoted:
-        client.set_registered_model_alias(stage.model_name, CHAMPION, version.version)
-    decision = {"omni.promotion": PROMOTED if promoted else KEPT,
-                "omni.champion_score": "" if champion_score is None else repr(champion_score),
-                "omni.champion_version": str(champion.version) if champion is not None else "",
-                "omni.promotion_reason": why}
-    for key, value in redact_mapping(decision).items():
-        client.set_model_version_tag(stage.model_name, version.version, key, value)
-    champion_version = version.version if promoted else champion.version
+        if champion is None:
+            promoted, why = True, "no champion yet"
+        elif champion_score is None:
+            promoted, why = True, f"champion version {champion.version} has no {stage.metric} to compare"
+        else:
+            promoted = beats(score, champion_score, stage)
+            better = "greater" if stage.greater_is_better else "lower"
+            why = (f"{stage.metric} {score:.6g} vs champion version {champion.version}'s {champion_score:.6g} "
+                   f"({better} is better, margin {stage.margin:g})")
+        # omni.promotion last: settle_champion reads the versions it names, with the rest of the decision
+        decision = {"omni.champion_score": "" if champion_score is None else repr(champion_score),
+                    "omni.champion_version": str(champion.version) if champion is not None else "",
+                    "omni.promotion_reason": why, "omni.promotion": PROMOTED if promoted else KEPT}
+        for key, value in redact_mapping(decision).items():
+            client.set_model_version_tag(stage.model_name, version.version, key, value)
+    champion_version = str(champion.version) if champion is not None else ""
+    if promoted:  # the champion's race-safe move: the best of this version and any that raced it
+        champion_version = settle_champion(client, stage.model_name, metric, stage.greater_is_better,
+                                           lambda v: score_of(client, v, metric)) or ""
+        if champion_version != str(version.version):
+            promoted = False
+            why = (f"{why}; but version {champion_version}, registered at the same time, scored better and is "
+                   f"{CHAMPION}")
+            for key, value in redact_mapping({"omni.promotion_reason": why, "omni.promotion": KEPT}).items():
+                client.set_model_version_tag(stage.model_name, version.version, key, value)
     ctx.tracker.set_tags(ctx.mlflow_run_id, {"omni.registered_model": stage.model_name,
                                              "omni.registered_version": version.version,
-                                             "omni.promotion": decision["omni.promotion"]})
+                                             "omni.promotion": PROMOTED if promoted else KEPT})
     ctx.progress(f"stage {stage.name}: {stage.model_name} version {version.version} is {CANDIDATE}; "
                  f"{'promoted to' if promoted else 'kept out of'} {CHAMPION}: {why}")
     ctx.report["registry"] = {"model_name": stage.model_name, "version": version.version, "reason": why}

@@ -1,0 +1,240 @@
+"""Several runs at once on one store and one tracking database.
+
+The races, each forced deterministically against the real thing (a sqlite MLflow database, a local
+store; no mocks): a fresh sqlite database opened by several processes at once; the registry's
+get-or-creates, a duplicate registration, and aliases written stale by the slower of two register
+stages (`omni_core.lineage.model_registry`); ingests of one dataset version at once, and LATEST
+pointers written stale. Then the real sweep on the embedded default (slow): four `omni run` started
+together on one store and one sqlite URI, three pipelines that differ in seed and lr registering into
+one model, and an exact duplicate of the first; all finish, one registered version per distinct
+checkpoint, `candidate` on the newest, `champion` on the best score, lineage and `omni verify` pass.
+The same sweep on the scaled-out stack is in tests/test_scaled_stack.py (its servers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pipeline_runs import check_sweep, sweep_configs
+from ray_cluster import start_cluster
+
+from omni_core.config import DatasetConfig
+from omni_core.data import ingest, load_version
+from omni_core.lineage import Tracker, verify
+from omni_core.lineage.model_registry import (
+    CANDIDATE,
+    CHAMPION,
+    REGISTER_KEY,
+    ensure_registered_model,
+    keep_first_of_key,
+    settle_candidate,
+    settle_champion,
+)
+from omni_core.storage import Store, settle_pointer
+from omni_core.training.checkpoint import LATEST, checkpoint_prefix, settle_latest
+
+ROOT = Path(__file__).resolve().parents[1]
+METRIC = "val/reward_mean"
+
+
+# ---- MLflow ----------------------------------------------------------------------------------------
+
+OPEN_TRACKER = """
+import sys
+from omni_core.lineage import Tracker
+tracker = Tracker(sys.argv[1])
+print(tracker.experiment_id("sweep"))
+"""
+
+
+def test_a_fresh_sqlite_database_opened_by_four_processes_at_once(tmp_path: Path) -> None:
+    """Each process creates the database's tables (MLflow migrates a fresh one when it opens it) and
+    the experiment: without the lock, `duplicate column name: step` and `Experiment ... already exists`."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", OPEN_TRACKER, uri], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, "\n".join(o[-2000:] for o in outs)
+    assert len({o.strip().splitlines()[-1] for o in outs}) == 1  # one experiment, the same id for all
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Any:
+    return Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}").client
+
+
+def version(client: Any, name: str, score: float | None, *, champion: str = "", promotion: str = "promoted",
+            key: str = "") -> str:
+    tags = {"omni.metric": METRIC, "omni.champion_version": champion, "omni.promotion": promotion}
+    if score is not None:
+        tags["omni.score"] = repr(score)
+    if key:
+        tags[REGISTER_KEY] = key
+    return str(client.create_model_version(name, source="file:///checkpoint", tags=tags).version)
+
+
+def tag_score(client: Any) -> Any:
+    return lambda v: float(v.tags["omni.score"]) if v.tags.get("omni.score") else None
+
+
+def test_registered_model_get_or_create_from_many_threads(client: Any) -> None:
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda _: ensure_registered_model(client, "m", "p"), range(6)))
+    assert [m.name for m in client.search_registered_models()] == ["m"]
+    ensure_registered_model(client, "m", "p")  # there: nothing happens
+
+
+def test_the_slower_of_two_racing_promotions_cannot_put_a_worse_version_over_a_better(client: Any) -> None:
+    """v1 is champion; v2 (0.6) and v3 (0.7) both passed against it at once. v3 moves `champion` first,
+    then v2's stale move lands: whichever settles next puts v3 back; both settle on v3."""
+    ensure_registered_model(client, "m", "p")
+    v1 = version(client, "m", 0.5)
+    client.set_registered_model_alias("m", CHAMPION, v1)
+    v2, v3 = version(client, "m", 0.6, champion=v1), version(client, "m", 0.7, champion=v1)
+    client.set_registered_model_alias("m", CHAMPION, v3)
+    client.set_registered_model_alias("m", CHAMPION, v2)  # the stale write
+    assert settle_champion(client, "m", METRIC, True, tag_score(client)) == v3
+    assert settle_champion(client, "m", METRIC, True, tag_score(client)) == v3
+    # lower is better: the same race settles on v2
+    client.set_registered_model_alias("m", CHAMPION, v1)
+    assert settle_champion(client, "m", METRIC, False, tag_score(client)) == v1  # v1 0.5 is the lowest
+    # a version that did not pass its gate never takes it; nor one decided against another champion
+    version(client, "m", 0.99, champion=v1, promotion="kept")
+    version(client, "m", 0.98, champion="77")
+    client.set_registered_model_alias("m", CHAMPION, v2)
+    assert settle_champion(client, "m", METRIC, True, tag_score(client)) == v3  # v2's sibling, better
+
+
+def test_first_registrations_at_once_settle_on_the_best_and_ties_on_the_lower(client: Any) -> None:
+    ensure_registered_model(client, "m", "p")
+    v1, v2, v3 = (version(client, "m", s) for s in (0.4, 0.8, 0.8))  # all decided with no champion
+    client.set_registered_model_alias("m", CHAMPION, v1)
+    assert settle_champion(client, "m", METRIC, True, tag_score(client)) == v2
+    # one champion at a time: a champion with no score is replaced by a scored rival
+    ensure_registered_model(client, "n", "p")
+    n1 = version(client, "n", None)
+    client.set_registered_model_alias("n", CHAMPION, n1)
+    n2 = version(client, "n", 0.1, champion=n1)
+    assert settle_champion(client, "n", METRIC, True, tag_score(client)) == n2
+    assert v3
+
+
+def test_candidate_settles_on_the_newest_version_after_a_stale_write(client: Any) -> None:
+    ensure_registered_model(client, "m", "p")
+    v1, v2 = version(client, "m", 0.1), version(client, "m", 0.2)
+    client.set_registered_model_alias("m", CANDIDATE, v1)  # the slower run's stale write
+    assert settle_candidate(client, "m") == v2
+    assert str(client.get_model_version_by_alias("m", CANDIDATE).version) == v2
+
+
+def test_two_registrations_of_one_key_leave_one_version(client: Any) -> None:
+    ensure_registered_model(client, "m", "p")
+    first = client.get_model_version("m", version(client, "m", 0.3, key="k1"))
+    second = client.get_model_version("m", version(client, "m", 0.3, key="k1"))
+    other = client.get_model_version("m", version(client, "m", 0.3, key="k2"))
+    assert keep_first_of_key(client, "m", first, "k1") == (first, True)
+    kept, created = keep_first_of_key(client, "m", second, "k1")
+    assert (str(kept.version), created) == (str(first.version), False)
+    assert keep_first_of_key(client, "m", other, "k2")[1]
+    assert sorted(int(v.version) for v in client.search_model_versions("name='m'")) == [int(first.version),
+                                                                                         int(other.version)]
+
+
+# ---- the store -------------------------------------------------------------------------------------
+
+
+def test_four_ingests_of_one_version_at_once_commit_it_whole(tmp_path: Path, omni_cache: Path) -> None:
+    store = Store(str(tmp_path / "store"))
+    config = DatasetConfig(source="fixtures://gsm8k?rows=40&seed=0", converter="gsm8k", shard_rows=8)
+    with ThreadPoolExecutor(4) as pool:
+        versions = list(pool.map(lambda _: ingest(Store(store.root), "gsm8k", config, progress=lambda _: None),
+                                 range(4)))
+    assert len({v.version for v in versions}) == 1
+    assert len({json.dumps(v.manifest, sort_keys=True) for v in versions}) == 1  # the same bytes, whoever wrote
+    checks = list(verify(store, "datasets/gsm8k"))
+    assert checks and all(c.status == "ok" for c in checks)
+    assert load_version(store, "gsm8k").version == versions[0].version
+    # another version committed meanwhile, then the first writer's stale LATEST: settled on the newest
+    other = ingest(store, "gsm8k", DatasetConfig(source="fixtures://gsm8k?rows=41&seed=0", converter="gsm8k"),
+                   progress=lambda _: None)
+    store.write_text("datasets/gsm8k/LATEST", versions[0].version + "\n")
+    from omni_core.data.ingest import settle_latest as settle_dataset_latest
+
+    settle_dataset_latest(store, "gsm8k")
+    assert load_version(store, "gsm8k").version == other.version
+    # re-ingesting the first version makes it the latest again (committed again, now)
+    time.sleep(0.01)
+    ingest(store, "gsm8k", config, progress=lambda _: None)
+    assert load_version(store, "gsm8k").version == versions[0].version
+
+
+def test_a_checkpoint_pointer_never_goes_back_to_an_older_step(tmp_path: Path) -> None:
+    store = Store(str(tmp_path))
+    root = "runs/p/key/rl"
+    for step in (1, 2, 3):
+        store.write_json(f"{checkpoint_prefix(root, step)}/_manifest.json", {"global_step": step})
+    store.write_text(f"{root}/{LATEST}", "2\n")  # the slower writer's stale pointer, after step 3's
+    settle_latest(store, root)
+    assert store.read_text(f"{root}/{LATEST}").strip() == "3"
+    assert settle_pointer(store, "p/none", lambda: None) is None  # nothing committed: nothing written
+    assert not store.exists("p/none")
+
+
+# ---- the sweep on the embedded default --------------------------------------------------------------
+
+def omni(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_a_sweep_of_four_runs_at_once_on_the_embedded_default(tmp_path: Path, model_cache: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a user would: four `omni run` started together in one folder, on its ./.omni store, sqlite
+    MLflow database and Prefect home, all fresh (created by whichever run comes first). The runs share
+    one Ray started with `ray start --head` (`ray.address`), as the README advises for a sweep: four
+    local Rays starting at once on a busy 2-core machine miss Ray's own start-up timeout."""
+    monkeypatch.setenv("OMNI_CACHE_DIR", str(model_cache))  # the Ray nodes' environment: actors find the models
+    cluster = start_cluster(head_cpus=8)
+    store, uri = ".omni/store", "sqlite:///.omni/mlflow.db"
+    paths = sweep_configs(tmp_path, store=store, tracking_uri=uri, model_name="sweep-digits",
+                          ray_address=cluster.address)
+    env = {**cluster.driver_env(), "PYTHONPATH": str(ROOT), "OMNI_CACHE_DIR": str(model_cache),
+           "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    for var in ("PREFECT_API_URL", "PREFECT_HOME", "MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
+        env.pop(var, None)
+    logs = [tmp_path / f"run{i}.log" for i in range(len(paths))]
+    procs = []
+    for path, log in zip(paths, logs, strict=True):
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(path)], cwd=tmp_path,
+                                          env=env, stdout=out, stderr=subprocess.STDOUT))
+    try:
+        for proc in procs:
+            proc.wait(timeout=900)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        cluster.stop()
+    failed = [log.read_text()[-3000:] for proc, log in zip(procs, logs, strict=True) if proc.returncode != 0]
+    assert not failed, "\n-----\n".join(failed)
+    client = Tracker(f"sqlite:///{tmp_path / '.omni/mlflow.db'}").client
+    check_sweep(client, "sweep-digits", "sweep", len(paths))
+    lineage = omni(["lineage", "models:/sweep-digits@champion", "--pipeline", str(paths[0]), "--json"], tmp_path, env)
+    assert lineage.returncode == 0, lineage.stdout + lineage.stderr
+    chain = json.loads(lineage.stdout)
+    champion = client.get_model_version_by_alias("sweep-digits", CHAMPION)
+    assert chain["model_version"]["version"] == str(champion.version)
+    assert chain["training"] and chain["datasets"][0]["name"] == "digits"
+    verified = omni(["verify", "--store", str(tmp_path / store)], tmp_path, env)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
