@@ -143,6 +143,9 @@ def _score_baseline(job: EvalJob, timings: dict[str, float]) -> dict[str, Any]:
 
 def run_eval_job(job: EvalJob) -> dict[str, Any]:
     """Load and score the candidate (and the baseline): metrics, records, grid PNG, timings, where it ran."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the task's output reaches the driver's terminal: no loading bars
     started = time.perf_counter()
     timings: dict[str, float] = {}
     t = time.perf_counter()
