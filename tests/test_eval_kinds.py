@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+from browser import chromium, dump_dom
 from mlflow.tracking import MlflowClient
+from mlflow_server import ui_server
 from pipeline_runs import run_in_order
 
 from omni_core.config import load_pipeline
@@ -188,3 +191,40 @@ def test_lora_diffusion_checkpoint_and_the_baseline_gate(env: Path, tmp_path_fac
     assert float(version.tags["omni.baseline_gain"]) == pytest.approx(metrics["val/reward_mean_gain"])
     with pytest.raises(Exception, match="champion"):
         client.get_model_version_by_alias(registered["model_name"], "champion")
+
+
+def visible_text(dom: str) -> str:
+    import html
+
+    text = re.sub(r"<script.*?</script>|<style.*?</style>", " ", dom, flags=re.S)
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", text)))
+
+
+@pytest.mark.skipif(chromium() is None, reason="chromium is not installed (make setup installs it)")
+def test_mlflow_ui_shows_the_runs_metrics_and_grid_in_the_model_training_view(flow: dict[str, Any]) -> None:
+    """Headless Chromium on MLflow's UI (a JS app: the DOM after its requests) at the links we print:
+    the experiment link opens the runs (not the GenAI overview, which the bare link opens), the eval
+    run's link shows its metrics, its artifact view renders the image grid."""
+    from omni_core.lineage.tracking import (
+        EXPERIMENT_KIND,
+        EXPERIMENT_KIND_TAG,
+        mlflow_experiment_url,
+        mlflow_run_url,
+    )
+
+    run, client = flow["run"], flow["client"]
+    experiment = client.get_experiment_by_name(run.config.name)
+    assert experiment.tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+    eval_run_id = run.outcomes["eval"].mlflow_run_id
+    with ui_server(f"sqlite:///{flow['workdir'] / 'mlflow.db'}", flow["workdir"]) as url:
+        runs_page = visible_text(dump_dom(mlflow_experiment_url(url, experiment.experiment_id)))
+        assert "Detect Issues" not in runs_page, runs_page[:2000]
+        for stage in ("ingest", "flow_grpo", "eval", "register"):
+            assert f" {stage} " in runs_page, (stage, runs_page[:3000])
+        bare = visible_text(dump_dom(f"{url}/#/experiments/{experiment.experiment_id}"))
+        assert "Detect Issues" in bare  # what the link without the view opens (MLflow 3.17)
+        eval_page = visible_text(dump_dom(mlflow_run_url(url, experiment.experiment_id, eval_run_id)))
+        assert "val/reward_mean" in eval_page and "val/reward_mean_baseline" in eval_page, eval_page[:3000]
+        grid_url = mlflow_run_url(url, experiment.experiment_id, eval_run_id).replace(
+            "?", f"/artifacts/{GRID_IMAGE}?")
+        assert re.search(rf'<img alt="{GRID_IMAGE}" src="blob:', dump_dom(grid_url))

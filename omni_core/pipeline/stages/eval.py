@@ -134,11 +134,27 @@ def model_specs(ctx: Any, source: Any) -> tuple[Any, Any]:
     start = ModelSpec(rl.model_uri, seed=ctx.config.seed, adapter=rl.adapter, adapter_stage=rl.adapter_stage,
                       weights_sha256=None if isinstance(rl.model, str) else rl.model.weights_sha256)
     lora = rl.lora.model_dump() if rl.lora is not None else None
-    for adapter in (f"{folder}/adapter_model.safetensors", f"{folder}/transformer/adapter_model.safetensors"):
+    manifest = ctx.store.read_json(f"{folder}/_manifest.json") if ctx.store.exists(f"{folder}/_manifest.json") else {}
+    named = manifest.get("weights") or ""  # a backend's export may keep its adapter elsewhere (actor/lora_adapter/)
+    candidates = [f"{folder}/{named}"] if named.endswith("adapter_model.safetensors") else []
+    for adapter in (*candidates, f"{folder}/adapter_model.safetensors", f"{folder}/transformer/adapter_model.safetensors"):
         if ctx.store.exists(adapter):
+            lora = lora or adapter_lora(ctx.store, adapter)
             return ModelSpec(rl.model_uri, seed=ctx.config.seed, adapter=rl.adapter, adapter_stage=rl.adapter_stage,
                              lora=lora, adapter_key=adapter), start
     return ModelSpec(trained["checkpoint_uri"], seed=ctx.config.seed), start
+
+
+def adapter_lora(store: Any, adapter: str) -> dict[str, Any] | None:
+    """The LoRA settings a PEFT adapter was saved with (its adapter_config.json), for a stage whose own
+    `lora:` is unset (a backend recipe's)."""
+    config_key = adapter.rsplit("/", 1)[0] + "/adapter_config.json"
+    if not store.exists(config_key):
+        return None
+    saved = store.read_json(config_key)
+    targets = saved.get("target_modules")
+    return {"rank": saved["r"], "alpha": saved.get("lora_alpha", saved["r"]),
+            "target_modules": sorted(targets) if isinstance(targets, list) else targets}
 
 
 def build_job(ctx: Any, source: Any, rows: list[dict[str, Any]]) -> Any:
