@@ -10,6 +10,7 @@ Write to MLflow through these methods, not through `client` directly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
@@ -121,7 +123,9 @@ class Tracker:
         experiment = self.client.get_experiment_by_name(name)
         if experiment is not None:
             if EXPERIMENT_KIND_TAG not in experiment.tags:  # made before the tag was set (or by someone else)
-                self.client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+                # a user who may only log runs there: the view's tag is not worth failing for
+                with contextlib.suppress(MlflowException):
+                    self.client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
             return experiment.experiment_id
         db = sqlite_path(self.tracking_uri)
         # With a sqlite store MLflow would put artifacts in ./mlruns of whatever cwd; keep them beside the db.
