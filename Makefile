@@ -10,7 +10,7 @@ VERL_VENV := .venv-verl
 VERL_STAMP := $(VERL_VENV)/.installed
 VERL_REQUIREMENTS := "verl[verl-core]==0.9.1" "mlflow>=3.1,<4"
 # System packages the tests use (installed with apt-get when running as root).
-SYSTEM_PACKAGES := git buildah skopeo docker-registry busybox-static tesseract-ocr tesseract-ocr-eng fonts-dejavu-core postgresql
+SYSTEM_PACKAGES := git buildah skopeo docker-registry busybox-static tesseract-ocr tesseract-ocr-eng fonts-dejavu-core postgresql chromium
 
 .PHONY: setup environments demo test lint bench clean
 

@@ -152,7 +152,7 @@ def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect
         elif "checkpoint_uri" in outputs and stage["kind"] in ("rl", "sft"):
             detail = f"global_step_{outputs['global_step']}"
         elif "metrics" in outputs:
-            detail = ", ".join(f"{k} {v:.4g}" for k, v in outputs["metrics"].items() if k == "val/reward_mean")
+            detail = eval_detail(outputs["metrics"])
         elif "model_name" in outputs:
             detail = f"{outputs['model_name']} version {outputs['version']}"
         else:
@@ -166,6 +166,9 @@ def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect
             out = stage["outputs"]
             console.print(f"checkpoint   {out['checkpoint_uri']} (sha256 {out['weights_sha256'][:16]}…)")
     console.print(f"mlflow       parent run {summary['mlflow_parent_run_id']} at {summary['tracking_uri']}")
+    from omni_core.lineage.tracking import mlflow_experiment_url
+
+    console.print(f"mlflow       runs {mlflow_experiment_url(summary['tracking_uri'], summary['mlflow_experiment_id'])}")
     for stage in summary["stages"]:
         if stage["kind"] == "register" and stage["outputs"].get("version"):
             print_registered(summary, stage["outputs"])
@@ -178,6 +181,20 @@ def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect
         console.print(f"open Prefect PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)")
     else:
         console.print(f"open Prefect {os.environ.get('PREFECT_API_URL', '').removesuffix('/api')}")
+
+
+HEADLINE_METRICS = ("val/reward_mean", "eval_rewards/accuracies")
+
+
+def eval_detail(metrics: dict) -> str:
+    """An eval's headline metric, with its baseline and the gain over it when the stage scored one."""
+    for name in HEADLINE_METRICS:
+        if name in metrics:
+            text = f"{name} {metrics[name]:.4g}"
+            if f"{name}_baseline" in metrics:
+                text += f" (baseline {metrics[name + '_baseline']:.4g}, gain {metrics[name + '_gain']:+.4g})"
+            return text
+    return ""
 
 
 def print_registered(summary: dict, registered: dict) -> None:

@@ -1,4 +1,5 @@
-"""Prefect artifacts of a pipeline run: the markdown summary, the metrics table, the reward curves.
+"""Prefect artifacts of a pipeline run: the markdown summary, the metrics table, the reward curves,
+the eval stages' image grids.
 
 The content comes from omni_core.pipeline.report; this module only publishes it.
 """
@@ -11,7 +12,7 @@ from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from omni_core.pipeline.report import curve_markdown, metrics_table, summary_markdown
+from omni_core.pipeline.report import curve_markdown, image_grid_markdown, metrics_table, summary_markdown
 from omni_core.storage import Store
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ def publish_run_artifacts(summary: dict[str, Any], flow_run_url: str = "") -> No
                           description=f"pipeline {pipeline}: final metrics of each stage")
     store = Store(summary["store"])
     for stage in summary["stages"]:
+        publish_image_grid(store, pipeline, stage)
         curve = stage["report"].get("reward_curve")
         if not curve:
             continue
@@ -42,3 +44,18 @@ def publish_run_artifacts(summary: dict[str, Any], flow_run_url: str = "") -> No
         create_markdown_artifact(curve_markdown(stage["name"], curve, png),
                                  key=artifact_key(pipeline, stage["name"], "reward-curve"),
                                  description=f"stage {stage['name']}: {curve['metric']} per training step")
+
+
+def publish_image_grid(store: Store, pipeline: str, stage: dict[str, Any]) -> None:
+    evaluated = stage["report"].get("eval") or {}
+    grid = evaluated.get("image_grid")
+    if not grid:
+        return
+    try:
+        png = store.read_bytes(grid["key"])
+    except Exception as exc:  # the summary still names the stage; a missing grid is not a failed run
+        log.warning("stage %s: image grid %s not readable (%s)", stage["name"], grid["uri"], exc)
+        return
+    create_markdown_artifact(image_grid_markdown(stage["name"], grid, png, evaluated.get("metrics") or {}),
+                             key=artifact_key(pipeline, stage["name"], "images"),
+                             description=f"stage {stage['name']}: the first images the eval scored, with their scores")

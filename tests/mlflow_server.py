@@ -8,6 +8,7 @@ endpoint); the server is stopped when the module's tests are done.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -109,5 +110,30 @@ def mlflow_server(moto_server: str, tmp_path_factory: pytest.TempPathFactory) ->
                             f"{server.log.read_text()[-3000:]}")
             time.sleep(0.25)
         yield server
+    finally:
+        _stop(proc)
+
+
+@contextlib.contextmanager
+def ui_server(backend_store_uri: str, folder: Path) -> Iterator[str]:
+    """`mlflow server` on an existing backend store (artifacts where its runs logged them: local
+    folders), for looking at a pipeline's runs in the UI; yields its URL."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    log = folder / "mlflow-ui.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--backend-store-uri", backend_store_uri],
+            cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"mlflow server on {backend_store_uri} did not start: {log.read_text()[-3000:]}")
+            time.sleep(0.25)
+        yield url
     finally:
         _stop(proc)

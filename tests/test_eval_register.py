@@ -103,6 +103,25 @@ def test_eval_matches_the_evaluate_component_on_the_checkpoint(runs: dict[str, A
     assert evaluated["metrics"] == pytest.approx(expected)
 
 
+def test_eval_ran_as_a_ray_task_not_in_the_flow_process(runs: dict[str, Any]) -> None:
+    """The work ran in a Ray worker of the pipeline's Ray (a task of the driver's job on its node), with
+    the stage's resources; the engine, not a `generate` loop, made the responses (equal to
+    `evaluate`'s greedy ones, test above)."""
+    import os
+
+    import ray
+
+    client: MlflowClient = runs["client"]
+    run = runs["runs"][0]
+    report = run.outcomes["eval"].report["eval"]
+    tags = client.get_run(run.outcomes["eval"].mlflow_run_id).data.tags
+    assert int(tags["omni.eval.pid"]) == report["where"]["pid"] != os.getpid()
+    assert tags["omni.eval.task_id"] and tags["omni.eval.node_id"] == report["where"]["node_id"]
+    assert ray.is_initialized() and tags["omni.eval.node_id"] == ray.get_runtime_context().get_node_id()
+    assert tags["omni.eval.job_id"] == ray.get_runtime_context().get_job_id()
+    assert report["kind"] == "text" and report["timings"]["load_s"] > 0 and report["timings"]["score_s"] > 0
+
+
 def test_eval_samples_table(runs: dict[str, Any]) -> None:
     client: MlflowClient = runs["client"]
     run = runs["runs"][0]
@@ -262,8 +281,8 @@ def test_eval_of_a_lora_checkpoint_scores_the_base_model_with_the_trained_adapte
 @pytest.mark.parametrize(("stage", "expected"), [
     ({"name": "on_pairs", "kind": "eval", "after": ["flow"], "data": "pairs:test"},
      "stages.on_pairs.data: 'pairs' holds preference pairs"),
-    ({"name": "on_images", "kind": "eval", "after": ["flow"], "data": "digits:test"},
-     "stages.on_images.checkpoint_from: stage 'flow' trains a text-to-image diffusion model"),
+    ({"name": "on_gsm8k", "kind": "eval", "after": ["flow"], "data": "gsm8k:test"},
+     "stages.on_gsm8k.data: 'gsm8k' is not under datasets"),
 ])
 def test_eval_refuses_what_it_cannot_score(stage: dict[str, Any], expected: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(expected)):

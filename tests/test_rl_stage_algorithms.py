@@ -85,7 +85,8 @@ def committed_checkpoint(result: dict, weights: str, algorithm: str) -> Path:
 def assert_logged(result: dict, names: list[str], absent: list[str]) -> None:
     client: MlflowClient = result["client"]
     trained = result["runs"][0]
-    assert trained.data.params["algorithm"] == result["config"].ordered_stages()[-1].algorithm.name
+    trained_stage = next(s for s in result["config"].stages if s.kind == "rl")
+    assert trained.data.params["algorithm"] == trained_stage.algorithm.name
     for name in names:
         history = client.get_metric_history(trained.info.run_id, name)
         assert [m.step for m in history] == [1, 2], name

@@ -482,30 +482,67 @@ def _model_from_problem(config: Any, stage: RLStage) -> str | None:
 # ---- the eval and register stages ---------------------------------------------------------------
 
 
+# Keys added to the eval and register stages after the first example pipelines: left at their
+# defaults they are not dumped, so the stage cache keys and config digests stay what they were.
+_EVAL_QUIET_DEFAULTS: dict[str, Any] = {"engine": "native", "resources": None, "baseline": False, "num_steps": None,
+                                        "guidance_scale": None, "noise_level": 0.0, "beta": None}
+
+
 class EvalStage(StageBase):
-    """Scores the checkpoint of an upstream training stage (rl or sft) on a dataset split with the
-    dataset's rewards; logs verl's `val/*` metrics on its MLflow run, linked to the checkpoint's logged model."""
+    """Scores the checkpoint of an upstream training stage (rl or sft) on a dataset split, in a Ray task
+    with the stage's `resources`: a language model's responses (our batched rollout engine) or a
+    diffusion model's images by the dataset's reward (verl's `val/*` names), a preference model on held-out
+    pairs against its reference (TRL's `eval_rewards/*` names); logged on its MLflow run, linked to the
+    checkpoint's logged model. `baseline: true` scores the stage's starting model too, on the same rows
+    and seeds."""
 
     kind: Literal["eval"] = "eval"
     checkpoint_from: str | None = Field(None, description="The rl or sft stage whose checkpoint is scored; "
                                                           "default: the nearest upstream one.")
     data: str = Field(description="Dataset key with a split: `gsm8k:test` (split default: test).")
-    reward: RewardConfig | None = Field(None, description="Default: each row's data_source picks its reward; "
-                                                          "else a registered name or path.py:function.")
-    n: int = Field(1, ge=1, description="Responses per prompt (metrics are mean@n).")
+    reward: RewardConfig | None = Field(None, description="Default: each row's data_source picks its reward (a "
+                                                          "diffusion checkpoint: its stage's reward); else a "
+                                                          "registered name or path.py:function.")
+    engine: Literal["native"] = Field("native", description="The generator: native (our rollout engines, "
+                                                            "request-level batches of batch_size).")
+    resources: dict[str, Annotated[float, Field(ge=0)]] | None = Field(
+        None, description="Ray resources of the eval task, e.g. {CPU: 1, GPU: 1} (NPU or a custom resource by "
+                          "name); default {CPU: 1}.")
+    baseline: bool = Field(False, description="Also score the trained stage's starting model on the same rows "
+                                              "and seeds: `<metric>_baseline` and `<metric>_gain` metrics.")
+    n: int = Field(1, ge=1, description="Responses (images) per prompt (metrics are mean@n).")
     greedy: bool = Field(True, description="Greedy decoding; false samples with temperature and top_p.")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(32, ge=1)
     max_prompt_tokens: int = Field(256, ge=8)
+    num_steps: int | None = Field(None, ge=1, description="Diffusion: denoising steps; default: the trained "
+                                                          "stage's algorithm.num_steps.")
+    guidance_scale: float | None = Field(None, ge=1.0, description="Diffusion: True-CFG weight; default: the "
+                                                                   "trained stage's.")
+    noise_level: float = Field(0.0, ge=0, description="Diffusion: SDE noise level; 0 is the deterministic ODE "
+                                                      "sampler.")
+    beta: float | None = Field(None, gt=0, description="Preference: the implicit reward's beta; default: the "
+                                                       "trained stage's algorithm.beta.")
     max_rows: int | None = Field(None, ge=1, description="Score only the first N rows of the split; null: all.")
-    batch_size: int = Field(64, ge=1, description="Prompts generated together.")
+    batch_size: int = Field(64, ge=1, description="Prompts (pairs) generated (scored) together.")
     samples: int = Field(16, ge=0, description="Rows whose prompt, responses, ground truth and scores are kept "
-                                               "as the eval_samples.json table.")
+                                               "as the eval_samples.json table (diffusion: images in the grid).")
+
+    @model_serializer(mode="wrap")
+    def _dump_without_quiet_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key, default in _EVAL_QUIET_DEFAULTS.items():
+            if key in data and data[key] == default:
+                del data[key]
+        return data
 
     def split(self) -> tuple[str, str]:
         key, _, split = self.data.partition(":")
         return key, split or "test"
+
+    def task_resources(self) -> dict[str, float]:
+        return {"CPU": 1.0, **(self.resources or {})}
 
     def pipeline_problem(self, config: Any) -> str | None:
         """What in the pipeline keeps this stage from running, as `key.path: message`, or None."""
@@ -513,18 +550,18 @@ class EvalStage(StageBase):
         key = self.split()[0]
         if key not in config.datasets:
             return f"{where}.data: '{key}' is not under datasets: ({', '.join(config.datasets) or 'none declared'})"
-        if config.datasets[key].converter in pair_converters():
-            return (f"{where}.data: '{key}' holds preference pairs (converter {config.datasets[key].converter}); "
-                    "eval scores responses to prompts with rewards: use a prompt dataset (e.g. gsm8k:test)")
         problem = _upstream_problem(config, self.name, "checkpoint_from", self.checkpoint_from, TRAINING_KINDS,
                                     "a trained checkpoint to score")
         if problem:
             return problem
         source = config.stage(upstream_stage(config, self.name, "checkpoint_from", self.checkpoint_from, TRAINING_KINDS))
-        if source.record.model_kind != LANGUAGE_MODEL:
-            return (f"{where}.checkpoint_from: stage '{source.name}' trains {source.record.model_kind} "
-                    f"({source.algorithm.name}); eval generates text with a language model: point it at a stage "
-                    "that trains one")
+        pairs = config.datasets[key].converter in PREFERENCE_CONVERTERS
+        if pairs and source.record.data != PAIRS:
+            return (f"{where}.data: '{key}' holds preference pairs (converter {config.datasets[key].converter}), "
+                    f"scored against a preference model's reference, but stage '{source.name}' trains with "
+                    f"{source.algorithm.name}: use a prompt dataset (e.g. gsm8k:test), or score a dpo/mpo stage")
+        if pairs and source.backend != "native":
+            return f"{where}.data: preference pairs are scored for native stages; '{source.name}' runs on {source.backend.name}"
         return None
 
 
@@ -540,6 +577,16 @@ class RegisterStage(StageBase):
     metric: str = Field("val/reward_mean", description="Eval metric that decides the promotion to champion.")
     greater_is_better: bool = True
     margin: float = Field(0.0, ge=0, description="How much the new score must beat the champion's by.")
+    min_gain_over_baseline: float | None = Field(
+        None, description="Also require the score to beat the eval's baseline (its starting model, eval "
+                          "baseline: true) by more than this; null: no baseline gate.")
+
+    @model_serializer(mode="wrap")
+    def _dump_without_unset_gate(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("min_gain_over_baseline") is None:
+            data.pop("min_gain_over_baseline", None)
+        return data
 
     def pipeline_problem(self, config: Any) -> str | None:
         """What in the pipeline keeps this stage from running, as `key.path: message`, or None."""

@@ -25,6 +25,12 @@ def _run_line(run: dict[str, Any]) -> list[str]:
     return parts
 
 
+def _run_url(chain: dict[str, Any], run: dict[str, Any]) -> str:
+    from omni_core.lineage.tracking import mlflow_run_url
+
+    return mlflow_run_url(chain.get("tracking_uri") or "", run.get("experiment_id") or "", run["run_id"])
+
+
 def format_lineage(chain: dict[str, Any], files: bool = False) -> list[str]:
     """The chain as an indented tree, one string per line (plain text); `files`: every raw file too."""
     lines: list[str] = []
@@ -50,6 +56,7 @@ def format_lineage(chain: dict[str, Any], files: bool = False) -> list[str]:
         ds = ev["dataset"]
         on = f" on {ds['name']}@{ds['version']}:{ds['split']}" if ds["name"] else ""
         add(depth, f"eval run {ev['run_id']} ({ev['pipeline'] or '-'}/{ev['run_name']}){on}")
+        add(depth + 1, f"mlflow {_run_url(chain, ev)}")
         for name, value in ev["metrics"].items():
             add(depth + 1, f"{name} = {value:.6g}")
         depth += 1
@@ -57,6 +64,7 @@ def format_lineage(chain: dict[str, Any], files: bool = False) -> list[str]:
         algo = f" {t['algorithm']}" if t["algorithm"] else ""
         add(depth, f"training run {t['run_id']} ({t['pipeline'] or '-'}/{t['run_name']}){algo}: {t['role']}")
         add(depth + 1, f"run key {t['run_key'] or '-'}; " + "; ".join(_run_line(t)))
+        add(depth + 1, f"mlflow {_run_url(chain, t)}")
         keys = ("model", "seed", "dataset", "rollout.n", "trainer.total_steps", "trainer.batch_size", "trainer.lr",
                 "reward")
         shown = [f"{k}={t['params'][k]}" for k in keys if k in t["params"]]

@@ -12,7 +12,7 @@ from mlflow.exceptions import MlflowException
 from omni_core.lineage.lineage_errors import LineageError
 from omni_core.lineage.redact import redact_text
 
-EVAL_METRIC_PREFIXES = ("val/", "val-core/")
+EVAL_METRIC_PREFIXES = ("val/", "val-core/", "eval_")  # verl's validation names, TRL's eval names
 TRAINING_KINDS = ("rl", "sft")
 TARGET_FORMS = ("models:/NAME@ALIAS, models:/NAME/VERSION, models:/NAME, an MLflow run id (32 hex characters), "
                 "or nothing for the newest registered model version")

@@ -10,6 +10,7 @@ Write to MLflow through these methods, not through `client` directly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -32,9 +33,28 @@ from omni_core.file_lock import file_lock
 from omni_core.lineage.redact import env_secrets, redact, redact_mapping, redact_text
 
 TAG_PREFIX = "omni."
+LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+# MLflow 3.x's UI opens an experiment on its GenAI overview unless told otherwise: the link's
+# `workflowType` picks the Model training view (3.17 reads only that), the experiment's kind tag
+# (read by earlier 3.x UIs; "custom_model_development" is the UI's "Machine learning") says it too.
+MODEL_TRAINING_VIEW = "workflowType=machine_learning"
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 REACHABLE_TIMEOUT_S = 5.0
 _SENDER_LOCK = threading.Lock()
 BATCH = 100  # MLflow's log_batch takes at most 100 params and 1000 tags+params+metrics a request
+
+
+def mlflow_ui_base(tracking_uri: str) -> str:
+    return tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else LOCAL_MLFLOW_UI
+
+
+def mlflow_experiment_url(tracking_uri: str, experiment_id: str) -> str:
+    """The experiment's runs in MLflow's Model training view."""
+    return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}?{MODEL_TRAINING_VIEW}"
+
+
+def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}?{MODEL_TRAINING_VIEW}"
 
 
 def sqlite_path(tracking_uri: str) -> Path | None:
@@ -117,12 +137,17 @@ class Tracker:
     def _experiment_id(self, name: str) -> str:
         experiment = self.client.get_experiment_by_name(name)
         if experiment is not None:
+            if EXPERIMENT_KIND_TAG not in experiment.tags:  # made before the tag was set (or by someone else)
+                # a user who may only log runs there: the view's tag is not worth failing for
+                with contextlib.suppress(MlflowException):
+                    self.client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
             return experiment.experiment_id
         db = sqlite_path(self.tracking_uri)
         # With a sqlite store MLflow would put artifacts in ./mlruns of whatever cwd; keep them beside the db.
         location = (db.parent / "mlartifacts" / name).resolve().as_uri() if db is not None else None
         try:
-            return self.client.create_experiment(name, artifact_location=location)
+            return self.client.create_experiment(name, artifact_location=location,
+                                                 tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         except MlflowException:  # another run created it since the lookup: use that one
             experiment = self.client.get_experiment_by_name(name)
             if experiment is None:

@@ -12,16 +12,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from omni_core.lineage import sqlite_path, ui_command
-
-LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
-
-
-def mlflow_ui_base(tracking_uri: str) -> str:
-    return tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else LOCAL_MLFLOW_UI
-
-
-def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}"
+from omni_core.lineage.tracking import (  # noqa: F401  (re-exported)
+    LOCAL_MLFLOW_UI,
+    mlflow_experiment_url,
+    mlflow_run_url,
+    mlflow_ui_base,
+)
 
 
 def _short(digest: str, n: int = 12) -> str:
@@ -77,7 +73,8 @@ def summary_markdown(summary: dict[str, Any], flow_run_url: str = "") -> str:
         lines += ["", "## Images", ""]
         lines += [f"- {target} ({stage}): `{i['pinned_ref']}` digest `{i.get('digest') or 'n/a'}`"
                   for stage, target, i in images]
-    lines += ["", "## MLflow", "",
+    lines += ["", "## MLflow", "", f"[Runs of experiment {summary['pipeline']}]"
+              f"({mlflow_experiment_url(tracking, experiment)}) (Model training view)", "",
               f"Parent run [{summary['mlflow_parent_run_id']}]"
               f"({mlflow_run_url(tracking, experiment, summary['mlflow_parent_run_id'])}) at `{tracking}`"]
     if sqlite_path(tracking) is not None:
@@ -122,4 +119,15 @@ def curve_markdown(stage: str, curve: dict[str, Any], png: bytes) -> str:
              f"![{curve['metric']} per step](data:image/png;base64,{data})", "",
              f"PNG in the store: {curve['uri']}", "", f"| step | {curve['metric']} |", "|---|---|"]
     lines += [f"| {step} | {value:.6g} |" for step, value in curve["points"]]
+    return "\n".join(lines) + "\n"
+
+
+def image_grid_markdown(stage: str, grid: dict[str, Any], png: bytes, metrics: dict[str, float]) -> str:
+    """An eval's image grid (data URI) with a link to its copy in the store, and the eval's metrics."""
+    data = base64.b64encode(png).decode()
+    lines = [f"# Images of eval stage `{stage}`", "",
+             f"![the first {grid['images']} images with their scores](data:image/png;base64,{data})", "",
+             f"PNG in the store: {grid['uri']} (MLflow artifact `{grid['artifact']}`)", "",
+             "| metric | value |", "|---|---|"]
+    lines += [f"| {_cell(name)} | {value:.6g} |" for name, value in sorted(metrics.items())]
     return "\n".join(lines) + "\n"

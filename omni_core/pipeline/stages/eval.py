@@ -1,12 +1,21 @@
-"""Stage kind `eval`: score an upstream rl or sft stage's checkpoint on a dataset split with the dataset's
-reward functions.
+"""Stage kind `eval`: score an upstream rl or sft stage's checkpoint on a dataset split, in a Ray task
+with the stage's `resources` on the pipeline's Ray (`omni_core.evaluation`); this process only builds
+the job and logs the result.
 
-The checkpoint comes from `checkpoint_from` (default: the nearest upstream rl or sft stage), the rows from
-the dataset version an ancestor ingest stage produced (else the store's LATEST). Greedy by default.
-On the stage's MLflow run: verl's `val/reward_mean` and `val-core/{data_source}/reward/mean@{n}`
-(spelled `mean_at_{n}` in MLflow, which refuses `@`, as verl's MLflow logger does), each linked to the checkpoint's logged model and the dataset version (MLflow 3 model metrics), the
-dataset version as an `eval` input, and the first `samples` rows (prompt, response, ground truth,
-score) as the table `eval_samples.json`.
+What is scored depends on the checkpoint and the split: a language model's responses to prompt rows
+(our batched rollout engine; greedy by default) or a diffusion model's images (our diffusion engine,
+the trained stage's sampler settings, ODE by default), scored by the dataset's reward: verl's
+`val/reward_mean` and `val-core/{data_source}/reward/mean@{n}` (spelled `mean_at_{n}` in MLflow, which
+refuses `@`, as verl's MLflow logger does); a preference model on held-out pairs against its
+reference: TRL's `eval_rewards/*`, `eval_logps/*`, `eval_loss`. With `baseline: true` the trained
+stage's starting model is scored on the same rows and seeds too: `{metric}_baseline` and
+`{metric}_gain` for each metric (its scores cached in the store by its weights digest).
+
+On the stage's MLflow run: the metrics, each linked to the checkpoint's logged model and the dataset
+version (MLflow 3 model metrics), the dataset version as an `eval` input, the first `samples` rows as
+the table `eval_samples.json` (candidate and baseline side by side), a diffusion checkpoint's image
+grid (`eval_grid.png`, also a file of the stage's record for the Prefect artifact), and where the task
+ran (`omni.eval.node_id`, `omni.eval.pid`, `omni.eval.task_id`).
 
 Cache inputs: the checkpoint's weights digest and step, the dataset version and split, the seed, and
 the bytes of a custom reward file. Outputs: model_id, checkpoint_uri, weights_sha256, metrics,
@@ -22,7 +31,7 @@ from typing import Any
 
 from mlflow.entities import Metric
 
-from omni_core.config.models import TRAINING_KINDS, EvalStage, RLStage, upstream_stage
+from omni_core.config.models import PREFERENCE_CONVERTERS, TRAINING_KINDS, EvalStage, RLStage, upstream_stage
 from omni_core.data import load_version
 from omni_core.errors import ConfigError
 from omni_core.lineage import log_dataset_version
@@ -32,6 +41,7 @@ from omni_core.pipeline.stages.rl import dataset_for, input_dataset
 from omni_core.storage import file_sha256
 
 SAMPLES_TABLE = "eval_samples.json"
+GRID_IMAGE = "eval_grid.png"
 SAMPLE_COLUMNS = ("data_source", "prompt", "response", "ground_truth", "score")
 _NOT_IN_MLFLOW_NAMES = re.compile(r"[^/\w.\- :]")
 
@@ -54,37 +64,6 @@ def source_outcome(ctx: Any, field: str, kind: str | tuple[str, ...]) -> Any:
     check_pipeline(ctx)
     name = upstream_stage(ctx.config, ctx.stage.name, field, getattr(ctx.stage, field), kind)
     return ctx.upstream[name]
-
-
-def load_checkpoint(ctx: Any, source: Any) -> tuple[Any, Any]:
-    """(model, tokenizer or processor) of the rl stage `source`'s checkpoint. A full checkpoint is a
-    model folder like any other; a LoRA one holds only the adapter (adapter_config.json,
-    adapter_model.safetensors): its base model (the rl stage's `model`, seed and LoRA settings) with
-    the trained adapter weights loaded."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load as load_safetensors
-
-    from omni_core.models import load_model
-    from omni_core.training.checkpoint import checkpoint_prefix, stage_prefix
-
-    trained = source.outputs
-    folder = checkpoint_prefix(stage_prefix(ctx.config.name, trained["run_key"], source.name), trained["global_step"])
-    if not ctx.store.exists(f"{folder}/adapter_config.json"):
-        return load_model(trained["checkpoint_uri"], seed=ctx.config.seed)
-    from omni_core.pipeline.stages.rl import resolved_stage
-
-    rl: RLStage = ctx.config.stage(source.name)
-    if not isinstance(rl.model, str):  # LoRA on an upstream checkpoint: that checkpoint is the base
-        rl = resolved_stage(_SourceContext(rl, {n: ctx.upstream[n] for n in ctx.upstream}))
-    model, text_io = load_model(rl.model_uri, seed=ctx.config.seed, adapter=rl.adapter, stage=rl.adapter_stage,
-                                lora=rl.lora.model_dump() if rl.lora is not None else None)
-    weights = load_safetensors(ctx.store.read_bytes(f"{folder}/adapter_model.safetensors"))
-    result = set_peft_model_state_dict(model, weights)
-    if getattr(result, "unexpected_keys", None):
-        raise ConfigError(f"stages.{ctx.stage.name}: the LoRA checkpoint {trained['checkpoint_uri']} does not fit "
-                          f"{rl.model_uri} with stages.{rl.name}.lora ({len(result.unexpected_keys)} unexpected keys, "
-                          f"e.g. {result.unexpected_keys[0]})")
-    return model.eval(), text_io
 
 
 class _SourceContext:
@@ -125,36 +104,178 @@ def log_reused(ctx: Any, record: Any) -> None:
                                              "omni.eval_run_id": record.outputs["eval_run_id"]})
 
 
-def score_rows(stage: EvalStage, model: Any, tokenizer: Any, rows: list[dict[str, Any]], seed: int,
-               ) -> list[dict[str, Any]]:
-    """One record per response (response j of row i is record i * n + j): the row, the response, its
-    score (`omni_core.training.components.score_records`, training's own evaluation)."""
-    from omni_core.training.components import Sampling, score_records
 
-    sampling = Sampling(temperature=stage.temperature, top_p=stage.top_p, max_new_tokens=stage.max_new_tokens,
-                        greedy=stage.greedy)
-    return score_records(model, tokenizer, rows, reward=stage.reward.name if stage.reward is not None else None,
-                         sampling=sampling, n=stage.n, max_prompt_tokens=stage.max_prompt_tokens,
-                         batch_size=stage.batch_size, seed=seed)
+def eval_kind(ctx: Any, source: RLStage) -> str:
+    from omni_core.evaluation.job import IMAGES, PAIRS, TEXT
+    from omni_core.training.algorithms import DIFFUSION_MODEL
+
+    if ctx.config.datasets[ctx.stage.split()[0]].converter in PREFERENCE_CONVERTERS:
+        return PAIRS
+    return IMAGES if source.record.model_kind == DIFFUSION_MODEL else TEXT
+
+
+def trained_stage(ctx: Any, source: Any) -> RLStage:
+    """The trained stage with `model: {from: STAGE}` resolved to the checkpoint it started from."""
+    from omni_core.pipeline.stages.rl import resolved_stage
+
+    rl: RLStage = ctx.config.stage(source.name)
+    return rl if isinstance(rl.model, str) else resolved_stage(_SourceContext(rl, dict(ctx.upstream)))
+
+
+def model_specs(ctx: Any, source: Any) -> tuple[Any, Any]:
+    """(the checkpoint, the trained stage's starting model) as `ModelSpec`s. A full checkpoint is a model
+    folder like any other; a LoRA one holds only the adapter (adapter_config.json and
+    adapter_model.safetensors; an SD3 model's under transformer/): its stage's base model with them."""
+    from omni_core.evaluation.job import ModelSpec
+    from omni_core.training.checkpoint import checkpoint_prefix, stage_prefix
+
+    trained = source.outputs
+    rl = trained_stage(ctx, source)
+    folder = checkpoint_prefix(stage_prefix(ctx.config.name, trained["run_key"], source.name), trained["global_step"])
+    start = ModelSpec(rl.model_uri, seed=ctx.config.seed, adapter=rl.adapter, adapter_stage=rl.adapter_stage,
+                      weights_sha256=None if isinstance(rl.model, str) else rl.model.weights_sha256)
+    lora = rl.lora.model_dump() if rl.lora is not None else None
+    manifest = ctx.store.read_json(f"{folder}/_manifest.json") if ctx.store.exists(f"{folder}/_manifest.json") else {}
+    named = manifest.get("weights") or ""  # a backend's export may keep its adapter elsewhere (actor/lora_adapter/)
+    candidates = [f"{folder}/{named}"] if named.endswith("adapter_model.safetensors") else []
+    for adapter in (*candidates, f"{folder}/adapter_model.safetensors", f"{folder}/transformer/adapter_model.safetensors"):
+        if ctx.store.exists(adapter):
+            lora = lora or adapter_lora(ctx.store, adapter)
+            return ModelSpec(rl.model_uri, seed=ctx.config.seed, adapter=rl.adapter, adapter_stage=rl.adapter_stage,
+                             lora=lora, adapter_key=adapter), start
+    return ModelSpec(trained["checkpoint_uri"], seed=ctx.config.seed), start
+
+
+def adapter_lora(store: Any, adapter: str) -> dict[str, Any] | None:
+    """The LoRA settings a PEFT adapter was saved with (its adapter_config.json), for a stage whose own
+    `lora:` is unset (a backend recipe's)."""
+    config_key = adapter.rsplit("/", 1)[0] + "/adapter_config.json"
+    if not store.exists(config_key):
+        return None
+    saved = store.read_json(config_key)
+    targets = saved.get("target_modules")
+    return {"rank": saved["r"], "alpha": saved.get("lora_alpha", saved["r"]),
+            "target_modules": sorted(targets) if isinstance(targets, list) else targets}
+
+
+def build_job(ctx: Any, source: Any, rows: list[dict[str, Any]]) -> Any:
+    from omni_core.evaluation.job import IMAGES, PAIRS, EvalJob
+
+    stage: EvalStage = ctx.stage
+    rl = ctx.config.stage(source.name)
+    kind = eval_kind(ctx, rl)
+    candidate, start = model_specs(ctx, source)
+    reward = stage.reward.name if stage.reward is not None else None
+    sampler: dict[str, Any] = {}
+    if kind == IMAGES:
+        algorithm = rl.algorithm
+        reward = reward or rl.reward.name
+        sampler = {"num_steps": stage.num_steps or getattr(algorithm, "num_steps", 10),
+                   "guidance_scale": stage.guidance_scale or getattr(algorithm, "guidance_scale", 1.0),
+                   "noise_level": stage.noise_level, "negative_prompt": getattr(algorithm, "negative_prompt", "")}
+    if kind == PAIRS:
+        options = rl.algorithm.model_dump(mode="json")
+        sampler = {"options": {**options, **({"beta": stage.beta} if stage.beta else {})}}
+    path = reward_file(stage)
+    return EvalJob(kind=kind, candidate=candidate, rows=rows, seed=ctx.config.seed, store=ctx.store,
+                   settings=stage.model_dump(mode="json"),
+                   reward=reward, reward_sha256=file_sha256(path) if path else None, sampler=sampler,
+                   baseline=start if stage.baseline else None,
+                   reference=start if kind == PAIRS and candidate.adapter_key is None else None)
+
+
+def with_baseline(metrics: dict[str, float], baseline: dict[str, float]) -> dict[str, float]:
+    """The candidate's metrics, each baseline metric as `{name}_baseline` and the candidate's gain over
+    it as `{name}_gain`."""
+    out = dict(metrics)
+    for name, value in baseline.items():
+        out[f"{name}_baseline"] = value
+        if name in metrics:
+            out[f"{name}_gain"] = metrics[name] - value
+    return out
 
 
 def prompt_text(row: dict[str, Any]) -> str:
-    return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in row.get("prompt") or [])
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in prompt or [])
 
 
-def samples_table(records: list[dict[str, Any]], rows: int, n: int) -> dict[str, list[Any]]:
-    kept = records[:rows * n]
-    return {"data_source": [r["row"].get("data_source", "") for r in kept],
-            "prompt": [prompt_text(r["row"]) for r in kept],
-            "response": [r["response"] for r in kept],
-            "ground_truth": [str(r["row"]["reward_model"]["ground_truth"]) for r in kept],
-            "score": [r["score"] for r in kept]}
+def _answer(row: dict[str, Any], key: str) -> str:
+    value = row.get(key)
+    return str(value.get("content", "")) if isinstance(value, dict) else str(value or "")
+
+
+def samples_table(kind: str, rows: list[dict[str, Any]], result: dict[str, Any], samples: int
+                  ) -> dict[str, list[Any]]:
+    """The first `samples` rows' records (every response of each), with the baseline's beside them."""
+    from omni_core.evaluation.job import PAIRS
+
+    kept = [r for r in result["records"] if r["row"] < samples]
+    baseline = result.get("baseline", {}).get("records")
+    table: dict[str, list[Any]] = {
+        "data_source": [rows[r["row"]].get("data_source", "") for r in kept],
+        "prompt": [prompt_text(rows[r["row"]]) for r in kept]}
+    if kind == PAIRS:
+        table["chosen"] = [_answer(rows[r["row"]], "chosen") for r in kept]
+        table["rejected"] = [_answer(rows[r["row"]], "rejected") for r in kept]
+        table["chosen_reward"] = [r["chosen_reward"] for r in kept]
+        table["rejected_reward"] = [r["rejected_reward"] for r in kept]
+    else:
+        if "response" in (kept[0] if kept else {}):
+            table["response"] = [r["response"] for r in kept]
+        table["ground_truth"] = [str((rows[r["row"]].get("reward_model") or {}).get("ground_truth", "")) for r in kept]
+    table["score"] = [r["score"] for r in kept]
+    if baseline is not None:
+        base = baseline[:len(kept)]
+        if "response" in table:
+            table["baseline_response"] = [r["response"] for r in base]
+        table["baseline_score"] = [r["score"] for r in base]
+    return table
+
+
+def log_result(ctx: Any, result: dict[str, Any], metrics: dict[str, float], rows: list[dict[str, Any]],
+               kind: str, trained: dict[str, Any], dv: Any) -> dict[str, Any]:
+    """Metrics (linked to the logged model), samples table, image grid and where the task ran."""
+    stage: EvalStage = ctx.stage
+    model_id = trained.get("model_id")
+    now = int(time.time() * 1000)
+    ctx.tracker.client.log_batch(ctx.mlflow_run_id, metrics=[
+        Metric(mlflow_metric_name(name), value, now, trained["global_step"], model_id=model_id, dataset_name=dv.name,
+               dataset_digest=dv.version) for name, value in sorted(metrics.items())])
+    report: dict[str, Any] = {"metrics": metrics, "rows": len(rows), "kind": kind, "where": result["where"],
+                              "timings": result["timings"]}
+    if stage.samples:
+        ctx.tracker.client.log_table(ctx.mlflow_run_id, data=samples_table(kind, rows, result, stage.samples),
+                                     artifact_file=SAMPLES_TABLE)
+        report["samples_table"] = SAMPLES_TABLE
+    if result.get("grid_png"):
+        import io
+
+        from PIL import Image
+
+        key = ctx.file_key(GRID_IMAGE)
+        ctx.store.write_bytes(key, result["grid_png"])
+        ctx.tracker.client.log_image(ctx.mlflow_run_id, Image.open(io.BytesIO(result["grid_png"])),
+                                     artifact_file=GRID_IMAGE)
+        report["image_grid"] = {"key": key, "uri": ctx.store.uri(key), "artifact": GRID_IMAGE,
+                                "images": min(stage.samples, len(rows)) * stage.n}
+    if "baseline" in result:
+        report["baseline"] = {"cached": result["baseline"]["cached"], "uri": result["baseline"]["cache_uri"],
+                              "weights_sha256": result["baseline"]["weights_sha256"]}
+    where = result["where"]
+    ctx.tracker.set_tags(ctx.mlflow_run_id, {f"omni.eval.{k}": str(where.get(k, ""))
+                                             for k in ("node_id", "task_id", "pid", "job_id")})
+    return report
 
 
 @register_stage("eval", version="1", inputs=eval_inputs, digest=eval_digest, reuse=log_reused,
-                reads=lambda stage: [stage.split()[0]], volatile_config=frozenset({"batch_size"}))
+                reads=lambda stage: [stage.split()[0]], volatile_config=frozenset({"batch_size", "resources"}))
 def run_eval(ctx: Any) -> dict[str, Any]:
-    from omni_core.training.components import val_metrics
+    from omni_core.evaluation.job import run_on_ray
+    from omni_core.backends.native import start_ray
+    from omni_core.training.ray_env import is_local
 
     stage: EvalStage = ctx.stage
     source = source_outcome(ctx, "checkpoint_from", TRAINING_KINDS)
@@ -166,34 +287,35 @@ def run_eval(ctx: Any) -> dict[str, Any]:
     check_rows(rows, MediaLimits.of(ctx.config.datasets.get(key)), f"stages.{stage.name}: {key}@{dv.version}:{split}")
     model_id = trained.get("model_id")
     training = ctx.tracker.client.get_logged_model(model_id).source_run_id if model_id else source.mlflow_run_id
+    job = build_job(ctx, source, rows)
     log_dataset_version(ctx.tracker, ctx.mlflow_run_id, dv, context="eval")
     ctx.tracker.log_params(ctx.mlflow_run_id, {
         "checkpoint_from": source.name, "checkpoint_uri": trained["checkpoint_uri"], "seed": ctx.config.seed,
         "dataset": f"{key}@{dv.version}:{split}", "rows": len(rows), "n": stage.n, "greedy": stage.greedy,
-        "max_new_tokens": stage.max_new_tokens,
-        "reward": stage.reward.name if stage.reward is not None else "by data_source"})
+        "max_new_tokens": stage.max_new_tokens, "kind": job.kind, "engine": stage.engine,
+        "baseline": stage.baseline, **{f"sampler.{k}": v for k, v in job.sampler.items() if k != "options"},
+        "reward": job.reward or "by data_source"})
     ctx.tracker.set_tags(ctx.mlflow_run_id, {
         "omni.model_id": model_id or "", "omni.checkpoint_uri": trained["checkpoint_uri"],
         "omni.checkpoint_sha256": trained["weights_sha256"], "omni.run_key": trained["run_key"],
         "omni.training_run_id": training or "", "omni.eval_run_id": ctx.mlflow_run_id})
 
+    resources = stage.task_resources()
     ctx.progress(f"stage {stage.name}: scoring {trained['checkpoint_uri']} (step {trained['global_step']}) "
-                 f"on {len(rows)} rows of {key}:{split}")
+                 f"on {len(rows)} rows of {key}:{split} ({job.kind}; a Ray task with "
+                 f"{', '.join(f'{k} {v:g}' for k, v in resources.items())}"
+                 f"{'; baseline: the starting model too' if stage.baseline else ''})")
     ctx.on_step(0, len(rows))
-    model, tokenizer = load_checkpoint(ctx, source)
-    records = score_rows(stage, model, tokenizer, rows, ctx.config.seed)
+    start_ray(ctx.config.ray)
+    result = run_on_ray(job, resources, name=f"omni-eval:{ctx.config.name}:{stage.name}",
+                        local=is_local(ctx.config.ray))
     ctx.on_step(len(rows), len(rows))
-    metrics = val_metrics(records, stage.n)
-
-    now = int(time.time() * 1000)
-    ctx.tracker.client.log_batch(ctx.mlflow_run_id, metrics=[
-        Metric(mlflow_metric_name(name), value, now, trained["global_step"], model_id=model_id, dataset_name=dv.name,
-               dataset_digest=dv.version) for name, value in sorted(metrics.items())])
-    if stage.samples:
-        ctx.tracker.client.log_table(ctx.mlflow_run_id, data=samples_table(records, stage.samples, stage.n),
-                                     artifact_file=SAMPLES_TABLE)
-    ctx.report["eval"] = {"metrics": metrics, "rows": len(rows), "samples_table": SAMPLES_TABLE}
+    metrics = result["metrics"]
+    if "baseline" in result:
+        metrics = with_baseline(metrics, result["baseline"]["metrics"])
+    ctx.report["eval"] = log_result(ctx, result, metrics, rows, job.kind, trained, dv)
     return {"model_id": model_id, "checkpoint_uri": trained["checkpoint_uri"],
             "weights_sha256": trained["weights_sha256"], "global_step": trained["global_step"],
             "run_key": trained["run_key"], "metrics": metrics, "dataset_version": dv.version,
-            "dataset": f"{key}:{split}", "eval_run_id": ctx.mlflow_run_id, "training_run_id": training}
+            "dataset": f"{key}:{split}", "eval_run_id": ctx.mlflow_run_id, "training_run_id": training,
+            "kind": job.kind}

@@ -73,6 +73,16 @@ def beats(score: float, champion: float, stage: RegisterStage) -> bool:
     return score < champion - stage.margin
 
 
+def baseline_gain(stage: RegisterStage, metrics: dict[str, float], score: float) -> float:
+    """How much `score` beats the eval's baseline score of the metric (in the better direction)."""
+    name = mlflow_metric_name(f"{stage.metric}_baseline")
+    if name not in metrics:
+        raise ConfigError(f"stages.{stage.name}.min_gain_over_baseline: the eval stage scored no baseline "
+                          f"({stage.metric}_baseline); set baseline: true on it, or drop min_gain_over_baseline")
+    baseline = float(metrics[name])
+    return score - baseline if stage.greater_is_better else baseline - score
+
+
 def champion_of(client: Any, name: str) -> Any | None:
     try:
         return client.get_model_version_by_alias(name, CHAMPION)
@@ -138,6 +148,7 @@ def run_register(ctx: Any) -> dict[str, Any]:
         raise ConfigError(f"stages.{stage.name}.metric: '{stage.metric}' is not a metric of the eval stage "
                           f"(it logged: {', '.join(sorted(evaluated['metrics']))}); use one of these")
     score = float(metrics[metric])
+    gain = baseline_gain(stage, metrics, score) if stage.min_gain_over_baseline is not None else None
     model_id = evaluated.get("model_id")
     ensure_registered_model(client, stage.model_name, ctx.config.name)
     tags = {"omni.pipeline": ctx.config.name, "omni.run_key": evaluated["run_key"],
@@ -170,10 +181,18 @@ def run_register(ctx: Any) -> dict[str, Any]:
             better = "greater" if stage.greater_is_better else "lower"
             why = (f"{stage.metric} {score:.6g} vs champion version {champion.version}'s {champion_score:.6g} "
                    f"({better} is better, margin {stage.margin:g})")
+        if gain is not None:
+            if gain <= stage.min_gain_over_baseline:
+                promoted = False
+            why += (f"; gain over the baseline {gain:.6g} "
+                    f"{'>' if gain > stage.min_gain_over_baseline else '<='} min_gain_over_baseline "
+                    f"{stage.min_gain_over_baseline:g}")
         # omni.promotion last: settle_champion reads the versions it names, with the rest of the decision
         decision = {"omni.champion_score": "" if champion_score is None else repr(champion_score),
                     "omni.champion_version": str(champion.version) if champion is not None else "",
-                    "omni.promotion_reason": why, "omni.promotion": PROMOTED if promoted else KEPT}
+                    "omni.promotion_reason": why,
+                    **({"omni.baseline_gain": repr(gain)} if gain is not None else {}),
+                    "omni.promotion": PROMOTED if promoted else KEPT}
         for key, value in redact_mapping(decision).items():
             client.set_model_version_tag(stage.model_name, version.version, key, value)
     champion_version = str(champion.version) if champion is not None else ""

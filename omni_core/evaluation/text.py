@@ -1,0 +1,58 @@
+"""Scoring a language model (a causal LM or a Qwen3-Omni thinker) on prompt rows: `n` responses per row
+from our rollout engine (`ARengine`), scored by the rows' rewards, verl's validation names.
+
+The engine runs request-level batches of `batch_size` prompts x `n` responses in row order (the
+scheduler thread stays idle), so a run's numbers never depend on timing: each forward's composition is
+the same on every run. Response j of row i is drawn with `rollout_seed(seed, 0, i, j)`: a response
+depends on its row, the seed and the weights only, so a candidate and its baseline are compared on the
+same random numbers. Greedy is argmax, as in HF `generate`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_core.evaluation.job import EvalJob
+
+
+def sampling_of(settings: dict[str, Any]) -> Any:
+    from omni_core.training.components import Sampling
+
+    return Sampling(temperature=settings["temperature"], top_p=settings["top_p"],
+                    max_new_tokens=settings["max_new_tokens"], greedy=settings["greedy"])
+
+
+def generate_responses(model: Any, text_io: Any, rows: list[dict[str, Any]], settings: dict[str, Any],
+                       seed: int) -> list[str]:
+    """The `n` responses of each row (response j of row i at i * n + j), from an `ARengine`."""
+    from omni_core.rollout.autoregressive import ARengine
+    from omni_core.rollout.engine import EngineConfig
+    from omni_core.training.components import encode_prompt_inputs, rollout_requests, rollout_seed
+
+    n, size = settings["n"], settings["batch_size"]
+    sampling = sampling_of(settings)
+    engine = ARengine(model, text_io, EngineConfig(max_num_seqs=size * n))
+    texts: list[str] = []
+    try:
+        for start in range(0, len(rows), size):
+            chunk = rows[start:start + size]
+            prompts, media = encode_prompt_inputs(text_io, chunk, settings["max_prompt_tokens"])
+            seeds = [rollout_seed(seed, 0, start + i, j) for i in range(len(chunk)) for j in range(n)]
+            requests = rollout_requests(prompts, n=n, sampling=sampling, seeds=seeds, media=media)
+            with engine._lock:  # request-level, in order: see the module docstring
+                texts += [r.text for r in engine.run_requests(requests)]
+    finally:
+        engine.close()
+    return texts
+
+
+def score_text(job: EvalJob, model: Any, text_io: Any) -> dict[str, Any]:
+    from omni_core.training.components import score_rollouts, val_metrics
+
+    n = job.settings["n"]
+    texts = generate_responses(model, text_io, job.rows, job.settings, job.seed)
+    scores = [float(s["score"]) for s in score_rollouts(job.rows, texts, job.reward, n)]
+    records = [{"row": i // n, "response": text, "score": score}
+               for i, (text, score) in enumerate(zip(texts, scores, strict=True))]
+    metrics = val_metrics([{"row": job.rows[r["row"]], "score": r["score"]} for r in records], n)
+    return {"metrics": metrics, "records": records}
