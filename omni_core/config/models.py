@@ -32,7 +32,6 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from omni_core.config.algorithms import (
     ALL,
     DIFFUSION_MODEL,
-    LANGUAGE_MODEL,
     PAIRS,
     SUPERVISED,
     AlgorithmOptions,
@@ -555,7 +554,7 @@ class EvalStage(StageBase):
         if problem:
             return problem
         source = config.stage(upstream_stage(config, self.name, "checkpoint_from", self.checkpoint_from, TRAINING_KINDS))
-        pairs = config.datasets[key].converter in PREFERENCE_CONVERTERS
+        pairs = config.datasets[key].converter in pair_converters()
         if pairs and source.record.data != PAIRS:
             return (f"{where}.data: '{key}' holds preference pairs (converter {config.datasets[key].converter}), "
                     f"scored against a preference model's reference, but stage '{source.name}' trains with "

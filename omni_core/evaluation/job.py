@@ -94,20 +94,24 @@ def weights_digest(model: Any) -> str:
     return digest.hexdigest()
 
 
+# Each kind's scorer, named by "module:function" and imported when an eval runs: the scorers import
+# EvalJob from here, so importing them here would make a circle.
+SCORERS = {TEXT: "omni_core.evaluation.text:score_text", IMAGES: "omni_core.evaluation.images:score_images",
+           PAIRS: "omni_core.evaluation.pairs:score_pairs"}
+
+
 def _score(job: EvalJob, model: Any, text_io: Any, *, reference: Any = None) -> dict[str, Any]:
+    import importlib
+
+    if job.kind not in SCORERS:
+        raise ValueError(f"unknown eval kind {job.kind!r}")
+    module, _, name = SCORERS[job.kind].partition(":")
+    scorer = getattr(importlib.import_module(module), name)
     if job.kind == TEXT:
-        from omni_core.evaluation.text import score_text
-
-        return score_text(job, model, text_io)
+        return scorer(job, model, text_io)
     if job.kind == IMAGES:
-        from omni_core.evaluation.images import score_images
-
-        return score_images(job, model)
-    if job.kind == PAIRS:
-        from omni_core.evaluation.pairs import score_pairs
-
-        return score_pairs(job, model, text_io, reference)
-    raise ValueError(f"unknown eval kind {job.kind!r}")
+        return scorer(job, model)
+    return scorer(job, model, text_io, reference)
 
 
 def _baseline_key(job: EvalJob, digest: str) -> str:

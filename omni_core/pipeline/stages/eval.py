@@ -31,7 +31,8 @@ from typing import Any
 
 from mlflow.entities import Metric
 
-from omni_core.config.models import PREFERENCE_CONVERTERS, TRAINING_KINDS, EvalStage, RLStage, upstream_stage
+from omni_core.config.algorithms import pair_converters
+from omni_core.config.models import TRAINING_KINDS, EvalStage, RLStage, upstream_stage
 from omni_core.data import load_version
 from omni_core.errors import ConfigError
 from omni_core.lineage import log_dataset_version
@@ -109,7 +110,7 @@ def eval_kind(ctx: Any, source: RLStage) -> str:
     from omni_core.evaluation.job import IMAGES, PAIRS, TEXT
     from omni_core.training.algorithms import DIFFUSION_MODEL
 
-    if ctx.config.datasets[ctx.stage.split()[0]].converter in PREFERENCE_CONVERTERS:
+    if ctx.config.datasets[ctx.stage.split()[0]].converter in pair_converters():
         return PAIRS
     return IMAGES if source.record.model_kind == DIFFUSION_MODEL else TEXT
 
@@ -273,8 +274,8 @@ def log_result(ctx: Any, result: dict[str, Any], metrics: dict[str, float], rows
 @register_stage("eval", version="1", inputs=eval_inputs, digest=eval_digest, reuse=log_reused,
                 reads=lambda stage: [stage.split()[0]], volatile_config=frozenset({"batch_size", "resources"}))
 def run_eval(ctx: Any) -> dict[str, Any]:
-    from omni_core.evaluation.job import run_on_ray
     from omni_core.backends.native import start_ray
+    from omni_core.evaluation.job import run_on_ray
     from omni_core.training.ray_env import is_local
 
     stage: EvalStage = ctx.stage
