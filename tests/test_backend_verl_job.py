@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
-from test_backend_verl_cpu import CPU_ENV, CPU_OVERRIDES
 from verl_env import verl_python
 
 from omni_core.backends.verl import VerlBackend, VerlCommand, VerlTraining, render
@@ -96,8 +95,7 @@ def test_a_verl_job_runs_on_ray_with_progress_mirroring_and_mlflow(ray_jobs, tmp
     store = Store(str(tmp_path / "store"))
     ingest(store, "gsm8k", DatasetConfig(source="fixtures://gsm8k?rows=16&seed=7", converter="gsm8k"),
            progress=lambda _: None)
-    backend = VerlBackend(python=verl_python(), shared_dir=str(tmp_path / "shared"), overrides=CPU_OVERRIDES,
-                          env=CPU_ENV)
+    backend = VerlBackend(python=verl_python(), shared_dir=str(tmp_path / "shared"), device="cpu")
     export = export_dataset(store, "gsm8k", None, backend.shared_dir, "sft")
     run_dir = backend.run_dir("gsm8k-sft", "k1", "sft")
     command = render(VerlTraining(task="sft", model=stage_model("tiny://lm", backend.shared_dir),

@@ -29,7 +29,6 @@ import yaml
 from mlflow import MlflowClient
 from mlflow_server import mlflow_server  # noqa: F401 - fixture
 from pipeline_runs import run_in_order
-from test_backend_verl_cpu import CPU_ENV, CPU_OVERRIDES
 from test_backend_verl_job import ray_jobs  # noqa: F401 - fixture
 from typer.testing import CliRunner
 from verl_env import verl_python
@@ -53,8 +52,7 @@ def sft_stage(shared_dir: Path, **extra) -> dict:
             "trainer": {"total_steps": TOTAL_STEPS, "batch_size": 4, "lr": 1e-3},
             "checkpoint": {"save_freq": 1, "max_to_keep": None},
             "backend": {"name": "verl", "python": verl_python(), "shared_dir": str(shared_dir),
-                        "overrides": [*CPU_OVERRIDES, "data.max_length=512"], "env": CPU_ENV,
-                        "entrypoint_resources": {"entrypoint_num_cpus": 1}}, **extra}
+                        "device": "cpu", "overrides": ["data.max_length=512"]}, **extra}
 
 
 @pytest.fixture(scope="module")

@@ -104,8 +104,11 @@ def job_status(client: Any, job_id: str) -> str | None:
         return None
 
 
-def entrypoint_resources(command: VerlCommand, n_gpus_per_node: int) -> dict[str, float]:
-    """`submit_job` keyword arguments for the entry point's own resources (module docstring)."""
+def entrypoint_resources(command: VerlCommand, n_gpus_per_node: int, device: str = "gpu") -> dict[str, float]:
+    """`submit_job` keyword arguments for the entry point's own resources (module docstring); on CPU one CPU
+    (any entrypoint resource keeps RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES out of the job's env)."""
+    if device == "cpu":
+        return {"entrypoint_num_cpus": 1}
     return {"entrypoint_num_gpus": n_gpus_per_node} if command.module.endswith("sft_trainer") else {}
 
 

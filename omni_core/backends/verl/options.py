@@ -8,9 +8,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 
 Task = Literal["sft", "grpo", "gspo"]
 
@@ -27,6 +34,9 @@ class VerlBackend(BaseModel):
     nnodes: int = Field(1, ge=1)
     n_gpus_per_node: int = Field(1, ge=1)
     rollout_engine: Literal["vllm", "sglang"] = Field("vllm", description="main_ppo's rollout engine.")
+    device: Literal["gpu", "cpu"] = Field(
+        "gpu", description="cpu: the same command on one CPU rank, with verl's `omni_cpu` rollout (transformers) "
+                           "and a CPU platform for verl (backends/verl/cpu.py); the Ray node needs >= 8 CPUs.")
     overrides: list[str] = Field(default_factory=list, description="Hydra overrides appended verbatim, last.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables of the job "
                                 "(never secrets: those are forwarded by name from the driver).")
@@ -55,6 +65,14 @@ class VerlBackend(BaseModel):
                 raise ValueError(f"backend.overrides: {item!r} is not a Hydra override; write key=value "
                                  "(+key=value adds a key, ~key deletes one)")
         return value
+
+    @model_serializer(mode="wrap")
+    def _dump_without_default_device(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """`device` left at gpu is not dumped: config digests stay what they were."""
+        data = handler(self)
+        if data.get("device") == "gpu":
+            data.pop("device", None)
+        return data
 
     def run_dir(self, pipeline: str, run_key: str, stage: str) -> Path:
         """`trainer.default_local_dir`: shared_dir/runs/{pipeline}/{run_key}/{stage} (absolute)."""

@@ -1,7 +1,7 @@
 """Our options -> verl's command line: `torchrun -m verl.trainer.sft_trainer` (task sft) and
 `python3 -m verl.trainer.main_ppo` (grpo, gspo), each with every Hydra override spelled out.
 
-Order: our overrides, then `backend.overrides` verbatim (Hydra applies the last value of a key, so a
+Order: our overrides (with `device: cpu`, cpu.py's added), then `backend.overrides` verbatim (Hydra applies the last value of a key, so a
 user override wins). An option verl cannot honour is a ConfigError naming our key.
 
 Version notes. The tests compose against verl 0.9.1 (PyPI); the CUDA image pins verl at git commit
@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from omni_core.backends.verl.cpu import cpu_env, cpu_overrides
 from omni_core.backends.verl.options import VerlBackend, VerlTraining
 from omni_core.errors import ConfigError
 
@@ -92,8 +93,8 @@ def render(training: VerlTraining, backend: VerlBackend, default_local_dir: str 
     # job's working directory (on a Ray cluster: wherever the job server runs entrypoints)
     ours.append(f"hydra.run.dir={hydra_value(f'{local_dir}/hydra/${{now:%Y-%m-%d_%H-%M-%S}}')}")
     overrides = ours + list(backend.overrides)
-    return VerlCommand(training.task, module, config, argv0 + overrides, overrides, dict(backend.env),
-                       str(local_dir))
+    env = cpu_env(training.task, dict(backend.env)) if backend.device == "cpu" else dict(backend.env)
+    return VerlCommand(training.task, module, config, argv0 + overrides, overrides, env, str(local_dir))
 
 
 def _check_common(t: VerlTraining) -> None:
@@ -165,7 +166,7 @@ def _sft_overrides(t: VerlTraining, b: VerlBackend, local_dir: Path) -> list[str
         **_common_trainer(t, b, local_dir),
         **_lora(t, "model"),
     }
-    return [f"{k}={hydra_value(v)}" for k, v in values.items()]
+    return _listed(t.task, b, values)
 
 
 def save_contents(b: VerlBackend) -> list[str]:
@@ -224,6 +225,12 @@ def _ppo_overrides(t: VerlTraining, b: VerlBackend, local_dir: Path) -> list[str
         **_common_trainer(t, b, local_dir),
         **_lora(t, "actor_rollout_ref.model"),
     }
+    return _listed(t.task, b, values)
+
+
+def _listed(task: str, b: VerlBackend, values: dict[str, Any]) -> list[str]:
+    if b.device == "cpu":
+        values = cpu_overrides(task, values)
     return [f"{k}={hydra_value(v)}" for k, v in values.items()]
 
 

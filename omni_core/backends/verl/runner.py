@@ -111,7 +111,7 @@ def run_verl_stage(*, pipeline: str, stage: Any, seed: int, store: Store, datase
         client = job_client(ray_address)
         env = runtime_env(cmd, tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id)
         resources = dict(backend.entrypoint_resources) if backend.entrypoint_resources is not None \
-            else entrypoint_resources(cmd, backend.n_gpus_per_node)
+            else entrypoint_resources(cmd, backend.n_gpus_per_node, backend.device)
         job = submit(client, cmd, pipeline=pipeline, stage=stage.name, run_key=run_key, env=env, resources=resources)
     progress(f"stage {stage.name}: Ray Job {job.submission_id} ({'submitted' if job.submitted else job.status}) "
              f"on {ray_address}")

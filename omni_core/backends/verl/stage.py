@@ -23,6 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from omni_core.backends.verl.cpu import cpu_problem
 from omni_core.backends.verl.job import describe_env, runtime_env, submission_id
 from omni_core.backends.verl.options import VerlBackend, VerlTraining
 from omni_core.backends.verl.render import VerlCommand, render
@@ -75,6 +76,9 @@ def verl_problem(stage: Any) -> str | None:
     elif "max_prompt_tokens" in stage.trainer.model_fields_set:
         return (f"{where}.trainer.max_prompt_tokens: verl's sft_trainer truncates prompt and response together; "
                 "set backend.overrides: [data.max_length=N] instead")
+    backend = stage.backend
+    if backend.device == "cpu" and (problem := cpu_problem(TASKS[algo], backend, backend.model_fields_set)):
+        return f"{where}.backend.{problem}"
     if stage.checkpoint.force_resume:
         return (f"{where}.checkpoint.force_resume: verl resumes from its own checkpoints without a config check; "
                 "remove it (a changed config has another run key, hence another checkpoint folder)")
