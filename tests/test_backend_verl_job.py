@@ -50,7 +50,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_jobs():
-    """A JobSubmissionClient on a `ray start --head --block` of our own (own temp dir, process group)."""
+    """A JobSubmissionClient on a `ray start --head --block` of our own (own temp dir, process group), with the
+    8 logical CPUs verl's main_ppo on CPU places its workers, TransferQueue and agent loop on."""
     import psutil
     from ray.job_submission import JobSubmissionClient
 
@@ -58,7 +59,7 @@ def ray_jobs():
     dashboard = _free_port()
     head_log = open(Path(temp) / "head.log", "wb")  # noqa: SIM115 - closed with the head below
     head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-                             f"--port={_free_port()}", "--num-cpus=2", "--node-ip-address=127.0.0.1",
+                             f"--port={_free_port()}", "--num-cpus=8", "--node-ip-address=127.0.0.1",
                              "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--include-dashboard=true",
                              # the agents' default ports (52365, ...) are taken when another head runs
                              f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",

@@ -120,6 +120,7 @@ class VerlTraining:
     loss_agg_mode: str | None = None
     kl_beta: float | None = None
     adv_scale: Literal["group", "batch", "none"] | None = None
+    reward_file: str | None = None  # verl's reward.custom_reward_function.path (None: by the rows' data_source)
 
     RL_ONLY = ("ppo_mini_batch_size", "ppo_epochs", "rollout_n", "temperature", "top_p", "max_new_tokens",
-               "clip_ratio_low", "clip_ratio_high", "loss_agg_mode", "kl_beta", "adv_scale")
+               "clip_ratio_low", "clip_ratio_high", "loss_agg_mode", "kl_beta", "adv_scale", "reward_file")

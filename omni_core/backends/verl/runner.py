@@ -44,7 +44,7 @@ from omni_core.backends.verl.job import (
     runtime_env,
     submit,
 )
-from omni_core.backends.verl.render import VERSION_PREFIX, version_probe
+from omni_core.backends.verl.render import PPO_MODULE, VERSION_PREFIX, version_probe
 from omni_core.backends.verl.stage import command, layout, response_field
 from omni_core.errors import ConfigError
 from omni_core.storage import Store
@@ -150,15 +150,18 @@ def run_verl_stage(*, pipeline: str, stage: Any, seed: int, store: Store, datase
         raise VerlJobError(f"stage {stage.name}: verl job {job.submission_id} succeeded but its latest checkpoint is "
                            f"step {step}, not {total} (is trainer.save_freq overridden?)")
     step_dir = run_dir / f"global_step_{step}"
+    # main_ppo saves the actor's shards and Hugging Face folder under global_step_N/actor/
+    actor_dir = step_dir / "actor" if cmd.module == PPO_MODULE else step_dir
     found = VERSION_LINE.search(log_path.read_text()) if log_path.exists() else None
     verl_version = found.group(1) if found else "unknown"
     if backend.hf_model == "merge":
         with timed("merge"):
-            merged_version = merge_checkpoint(client, cmd, step_dir, job.submission_id, env, poll_s, progress)
+            merged_version = merge_checkpoint(client, cmd, step_dir, job.submission_id, env, poll_s, progress,
+                                              shards_dir=actor_dir)
         verl_version = verl_version if found else merged_version
         hf_dir = step_dir / MERGED
     else:
-        hf_dir = step_dir / HF_DIR
+        hf_dir = actor_dir / HF_DIR
         if not any(hf_dir.glob("*.safetensors")):
             raise ConfigError(f"stages.{stage.name}: verl saved no weights in {hf_dir} although backend.hf_model is "
                               "save (checkpoint.save_contents lacks hf_model: is it overridden in backend.overrides?); "
@@ -172,10 +175,11 @@ def run_verl_stage(*, pipeline: str, stage: Any, seed: int, store: Store, datase
 
 
 def merge_checkpoint(client: Any, cmd: Any, step_dir: Path, job_id: str, env: dict[str, Any], poll_s: float,
-           progress: Callable[[str], None]) -> str:
-    """verl's model merger as a Ray Job: FSDP shards -> step_dir/merged (a Hugging Face folder)."""
+           progress: Callable[[str], None], shards_dir: Path | None = None) -> str:
+    """verl's model merger as a Ray Job: FSDP shards (in `shards_dir`, default step_dir) -> step_dir/merged
+    (a Hugging Face folder)."""
     python = cmd.argv[0]
-    merge = [python, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(step_dir),
+    merge = [python, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(shards_dir or step_dir),
              "--target_dir", str(step_dir / MERGED)]
     entry = f"{shlex.join(version_probe(python))} && {shlex.join(merge)}"
     merge_id = f"{job_id}-merge-{step_dir.name}"
