@@ -122,12 +122,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="peer-") as tmp:
         work = Path(tmp)
         os.environ.setdefault("OMNI_CACHE_DIR", str(work / "cache"))
-        native = run_one("native", work / "native", "local", sft_steps, rl_steps)
-        import ray
-
-        ray.shutdown()  # the native run's local Ray; verl's jobs run on their own head
-        cluster = start_cluster(head_cpus=8)
+        cluster = start_cluster(head_cpus=8, wait=300)  # verl's jobs run on their own head (idle meanwhile)
         try:
+            native = run_one("native", work / "native", "local", sft_steps, rl_steps)
+            import ray
+
+            ray.shutdown()  # the native run's local Ray
             verl = run_one("verl", work / "verl", cluster.job_server, sft_steps, rl_steps)
         finally:
             cluster.stop()

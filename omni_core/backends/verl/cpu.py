@@ -13,8 +13,8 @@ laptop's `ray start --head`, or the project installed at the same place on each 
 Overrides added after ours and before `backend.overrides`: fsdp2 (fsdp1 needs an accelerator), sdpa
 attention, no torch.compile (its entropy kernel needs a C++ toolchain), `trainer.device=cpu`; for
 main_ppo also the `omni_cpu` rollout with tensor parallel 1, one TransferQueue storage unit, one agent
-loop and one reward worker (each asks Ray for a CPU; verl's defaults, 8 each, stall a small node) and
-merged LoRA weights. The Ray node needs at least 8 logical CPUs (`ray start --head --num-cpus 8`).
+loop and one reward worker (each asks Ray for a CPU; verl's defaults, 8 each, stall a small node),
+merged LoRA weights and `backend.python` as the Ray workers' interpreter. The Ray node needs at least 8 logical CPUs (`ray start --head --num-cpus 8`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ PPO_OVERRIDES = {
     "trainer.device": "cpu",
 }
 LORA_MERGE = "actor_rollout_ref.model.lora.merge"
+PY_EXECUTABLE = "ray_kwargs.ray_init.runtime_env.py_executable"
 
 # keys of backend.overrides the CPU rollout cannot honour -> why (a key, or a prefix ending in ".")
 REFUSED = {
@@ -102,9 +103,11 @@ def cpu_problem(task: str, backend, fields_set: set[str] | frozenset[str]) -> st
     return None
 
 
-def cpu_overrides(task: str, ours: dict[str, object]) -> dict[str, object]:
-    """Our overrides for a CPU run: `ours` with the CPU keys set (replacing the rollout engine's name)."""
-    extra = SFT_OVERRIDES if task == "sft" else PPO_OVERRIDES
+def cpu_overrides(task: str, ours: dict[str, object], python: str) -> dict[str, object]:
+    """Our overrides for a CPU run: `ours` with the CPU keys set (replacing the rollout engine's name).
+    main_ppo's Ray workers get verl's interpreter (verl's `ray_init.runtime_env.py_executable`): a
+    laptop's `ray start --head` may come from an environment without verl (ours)."""
+    extra = SFT_OVERRIDES if task == "sft" else {**PPO_OVERRIDES, PY_EXECUTABLE: python}
     out = {**ours, **extra}
     if task != "sft" and ours.get("actor_rollout_ref.model.lora_rank"):
         out[LORA_MERGE] = True

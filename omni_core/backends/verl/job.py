@@ -4,7 +4,6 @@ server (`ray.address`, the dashboard URL), followed until it ends.
 - The submission id is deterministic (`submission_id`): a resubmission of the same training finds
   the pending, running or finished job instead of starting another; after a FAILED or STOPPED one
   the next attempt is `{id}-attempt-N` (and resumes from the last checkpoint: mirror.prepare_resume).
-- `runtime_env.py_executable` with `device: cpu`: verl's interpreter for the job's Ray workers.
 - `runtime_env.env_vars`: the command's env, `MLFLOW_TRACKING_URI` / `MLFLOW_RUN_ID` of the stage's
   MLflow run (verl's own `mlflow` logger then writes into it), and the credentials the job needs,
   forwarded by name from the driver's environment (never written to a pipeline file, a manifest or
@@ -89,8 +88,6 @@ def runtime_env(command: VerlCommand, *, tracking_uri: str | None = None, mlflow
     if mlflow_run_id:
         env_vars["MLFLOW_RUN_ID"] = mlflow_run_id
     env_vars.update({name: environ[name] for name in forward if environ.get(name)})
-    if python := getattr(command, "py_executable", None):  # a VeRL-Omni RecipeCommand has none
-        return {"env_vars": env_vars, "py_executable": python}
     return {"env_vars": env_vars}
 
 

@@ -53,9 +53,6 @@ class VerlCommand:
     overrides: list[str]  # every Hydra override, in order (ours, then backend.overrides)
     env: dict[str, str]
     default_local_dir: str
-    # device cpu: the interpreter of the job's Ray workers (runtime_env py_executable), so main_ppo's actors
-    # run in verl's interpreter also on a cluster started from another one (a laptop's `ray start`)
-    py_executable: str | None = None
 
     @property
     def entrypoint(self) -> str:
@@ -97,8 +94,7 @@ def render(training: VerlTraining, backend: VerlBackend, default_local_dir: str 
     ours.append(f"hydra.run.dir={hydra_value(f'{local_dir}/hydra/${{now:%Y-%m-%d_%H-%M-%S}}')}")
     overrides = ours + list(backend.overrides)
     env = cpu_env(training.task, dict(backend.env)) if backend.device == "cpu" else dict(backend.env)
-    return VerlCommand(training.task, module, config, argv0 + overrides, overrides, env, str(local_dir),
-                       py_executable=backend.python if backend.device == "cpu" else None)
+    return VerlCommand(training.task, module, config, argv0 + overrides, overrides, env, str(local_dir))
 
 
 def _check_common(t: VerlTraining) -> None:
@@ -237,7 +233,7 @@ def _ppo_overrides(t: VerlTraining, b: VerlBackend, local_dir: Path) -> list[str
 
 def _listed(task: str, b: VerlBackend, values: dict[str, Any]) -> list[str]:
     if b.device == "cpu":
-        values = cpu_overrides(task, values)
+        values = cpu_overrides(task, values, b.python)
     return [f"{k}={hydra_value(v)}" for k, v in values.items()]
 
 
