@@ -130,3 +130,13 @@ def test_without_verl_the_check_is_skipped_saying_why(tmp_path, monkeypatch):
     assert "has verl installed" in text
     # backend.python itself is used when it has verl
     assert precheck.verl_interpreter(verl_python())[1].startswith("verl 0.9.1 of backend.python")
+
+
+def test_only_at_the_end_still_saves_the_last_step_of_main_ppo():
+    """checkpoint.save_freq 0 means the final step only: main_ppo saves nothing with -1 (its check is
+    `save_freq > 0`), so grpo/gspo render the step count; sft_trainer's -1 saves the last step."""
+    ppo, _ = grpo("gpu")
+    assert "trainer.save_freq=2" in ppo.overrides
+    sft = render(VerlTraining(task="sft", model="/m", train_files=["/d.parquet"], total_steps=5, batch_size=4, lr=1e-3),
+                 VerlBackend(shared_dir="/s"), "/s/runs/p/k/sft")
+    assert "trainer.save_freq=-1" in sft.overrides

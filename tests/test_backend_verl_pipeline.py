@@ -42,7 +42,7 @@ from omni_core.config import validate_pipeline
 from omni_core.storage import Store
 from omni_core.training.checkpoint import LATEST, MANIFEST, checkpoint_steps, stage_prefix
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the module run: 3 verl jobs on a loaded 2-core machine
 
 DIGITS = {"digits": {"source": "fixtures://digits?rows=24&seed=7", "converter": "digits"}}
 TOTAL_STEPS = 3  # sft

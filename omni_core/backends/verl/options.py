@@ -99,7 +99,7 @@ class VerlTraining:
     project_name: str = "omni"
     experiment_name: str = "verl"
     # checkpoints
-    save_freq: int = 0  # 0: only at the end (verl: -1)
+    save_freq: int = 0  # 0: only at the end (sft_trainer: -1; main_ppo: total_steps, as its -1 never saves)
     max_to_keep: int | None = None
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     resume_from_path: str | None = None

@@ -115,7 +115,8 @@ def _check_common(t: VerlTraining) -> None:
 def _common_trainer(t: VerlTraining, b: VerlBackend, local_dir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {
         "trainer.total_training_steps": t.total_steps,
-        "trainer.save_freq": t.save_freq if t.save_freq > 0 else -1,
+        # 0 (only at the end): sft_trainer's -1 still saves the last step, main_ppo's saves nothing at all
+        "trainer.save_freq": t.save_freq if t.save_freq > 0 else (-1 if t.task == "sft" else t.total_steps),
         "trainer.resume_mode": t.resume_mode,
         "trainer.default_local_dir": str(local_dir),
         "trainer.logger": LOGGERS,
