@@ -162,6 +162,9 @@ def _sft_overrides(t: VerlTraining, b: VerlBackend, local_dir: Path) -> list[str
         "optim.lr": t.lr,
         "optim.clip_grad": t.max_grad_norm,
         "trainer.seed": t.seed,
+        # verl's sft_trainer stops after total_epochs (default 1) even before total_training_steps: with at
+        # least one step an epoch, total_steps epochs never cut the run short
+        "trainer.total_epochs": t.total_steps,
         "trainer.max_ckpt_to_keep": t.max_to_keep,
         "checkpoint.save_contents": save_contents(b),
         **_common_trainer(t, b, local_dir),
