@@ -2,7 +2,7 @@
 
 (a) the launcher's own overhead per stage: `run_verl_stage`'s wall time minus the verl job's own run
     time (Ray's job info: end_time - start_time) for a verl SFT job of about two minutes on this CPU
-    (tiny://lm's weights under an s3:// prefix, verl 0.9.1's sft_trainer through tests/verl_cpu, a real
+    (tiny://lm's weights under an s3:// prefix, verl 0.9.1's sft_trainer with backend.device cpu, a real
     `ray start --head`, an S3 store on a moto server). Reported: the fixed part in seconds, its ratio to the job's run time (target < 10%),
     and the breakdown (export, model staging, resume check, submission, Ray's start of the job, the end
     of the job to the end of following it, the final mirror, verl's model merger as a second Ray Job
@@ -164,7 +164,6 @@ def bench_launcher(steps: int, rows: int, modes: tuple[str, ...] = ("save", "mer
 def _one_stage(cluster: Any, endpoint: str, work: Path, steps: int, rows: int, hf_model: str) -> dict[str, Any]:
     from mlflow import MlflowClient
     from ray.job_submission import JobSubmissionClient
-    from test_backend_verl_cpu import CPU_ENV, CPU_OVERRIDES
     from verl_env import verl_python
 
     from omni_core.backends.verl.runner import run_verl_stage
@@ -194,8 +193,7 @@ def _one_stage(cluster: Any, endpoint: str, work: Path, steps: int, rows: int, h
                     "checkpoint": {"save_freq": max(1, steps // 2)},
                     "backend": {"name": "verl", "python": verl_python(), "shared_dir": str(work / "shared"),
                                 "hf_model": hf_model,
-                                "overrides": [*CPU_OVERRIDES, "data.max_length=512", "trainer.total_epochs=1000"],
-                                "env": CPU_ENV, "entrypoint_resources": {"entrypoint_num_cpus": 1}}}]})
+                                "device": "cpu", "overrides": ["data.max_length=512", "trainer.total_epochs=1000"]}}]})
     tracking = f"sqlite:///{work / 'mlflow.db'}"
     mlflow = MlflowClient(tracking)
     run_id = mlflow.create_run(mlflow.create_experiment("bench-verl")).info.run_id

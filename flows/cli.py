@@ -81,7 +81,20 @@ def validate(
         for line in exc.errors:
             err_console.print(f"  {line}")
         raise typer.Exit(2) from None
+    _verl_hydra_check(config, pipeline_file)
     console.print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+
+
+def _verl_hydra_check(config: PipelineConfig, pipeline_file: Path) -> None:
+    """verl's Hydra composition of each verl stage's command (flows/verl_check.py); exit 2 on a refusal."""
+    from flows.verl_check import check_verl_stages
+
+    refused = check_verl_stages(config, err_console)
+    if refused:
+        err_console.print(f"[red]{pipeline_file}: {len(refused)} error(s)[/red]")
+        for line in refused:
+            err_console.print(f"  {escape(line)}")
+        raise typer.Exit(2)
 
 
 @app.command()
@@ -99,8 +112,9 @@ def run(
 
     config = load_pipeline(pipeline_file, overrides or [])
     check_force(config, force)
+    _verl_hydra_check(config, pipeline_file)
     if dry_run:
-        plan(pipeline_file, overrides)
+        _print_plan(config, as_json=False)
         return
     Store(config.store).check_writable()  # fail in a second, not after starting Prefect and Ray
     prefect_home = use_embedded_prefect()
@@ -127,11 +141,16 @@ def plan(
 ) -> None:
     """Print what every stage would do, in run order, and run nothing; for a verl stage its Ray Job's
     entry point, runtime environment (credentials redacted) and the files it stages."""
+    config = load_pipeline(pipeline_file, overrides or [])
+    _verl_hydra_check(config, pipeline_file)
+    _print_plan(config, as_json)
+
+
+def _print_plan(config: PipelineConfig, as_json: bool) -> None:
     import json
 
     from omni_core.pipeline.plan import format_plan, plan_pipeline
 
-    config = load_pipeline(pipeline_file, overrides or [])
     entries = plan_pipeline(config)
     if as_json:
         print(json.dumps(entries, indent=2))

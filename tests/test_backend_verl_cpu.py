@@ -2,8 +2,9 @@
 `render` gives) trains a tiny Qwen3 (`tiny://lm`) on a GSM8K export, writes `global_step_N/` and
 `latest_checkpointed_iteration.txt`, logs `train/loss` into our MLflow run (a real `mlflow server`)
 through MLFLOW_TRACKING_URI / MLFLOW_RUN_ID, and, SIGKILLed after a checkpoint that was mirrored to
-S3 (moto) and then deleted from the shared path, resumes from the restored copy with resume_mode=auto. CPU support comes from tests/verl_cpu/omni_verl_cpu.py through verl's
-`VERL_USE_EXTERNAL_MODULES` hook."""
+S3 (moto) and then deleted from the shared path, resumes from the restored copy with resume_mode=auto.
+CPU support is the product's `backend.device: cpu` (omni_core/backends/verl/cpu.py: the `cpu` platform
+of backends/verl/runtime/ loaded through verl's `VERL_USE_EXTERNAL_MODULES` hook)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,6 @@ from omni_core.data import ingest
 from omni_core.storage import Store
 from omni_core.training.checkpoint import latest_checkpoint
 
-CPU_SUPPORT = Path(__file__).parent / "verl_cpu"
-# what verl 0.9.1 needs besides the cpu platform module to train on CPU (omni_verl_cpu.py's docstring)
-CPU_OVERRIDES = ["engine.strategy=fsdp2", "+model.override_config.attn_implementation=sdpa", "trainer.device=cpu",
-                 "data.num_workers=0"]
-CPU_ENV = {"VERL_USE_EXTERNAL_MODULES": "omni_verl_cpu", "VERL_ENGINE_DEVICE": "cuda", "PYTHONPATH": str(CPU_SUPPORT),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HYDRA_FULL_ERROR": "1"}
 STEPS = 3
 JOB_TIMEOUT_S = 300
 
@@ -75,8 +70,7 @@ def test_sft_trains_checkpoints_logs_to_mlflow_and_resumes_after_a_kill(
     store = Store(str(tmp_path / "store"))
     ingest(store, "gsm8k", DatasetConfig(source="fixtures://gsm8k?rows=24&seed=5", converter="gsm8k"),
            progress=lambda _: None)
-    backend = VerlBackend(python=verl_python(), shared_dir=str(tmp_path / "shared"), overrides=CPU_OVERRIDES,
-                          env=CPU_ENV)
+    backend = VerlBackend(python=verl_python(), shared_dir=str(tmp_path / "shared"), device="cpu")
     export = export_dataset(store, "gsm8k", None, backend.shared_dir, "sft")
     run_dir = backend.run_dir("gsm8k-sft", "k0", "sft")
     command = render(VerlTraining(task="sft", model=stage_model("tiny://lm", backend.shared_dir),

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
-from test_backend_verl_cpu import CPU_ENV, CPU_OVERRIDES
 from verl_env import verl_python
 
 from omni_core.backends.jobs.export import export_dataset, stage_model
@@ -51,7 +50,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_jobs():
-    """A JobSubmissionClient on a `ray start --head --block` of our own (own temp dir, process group)."""
+    """A JobSubmissionClient on a `ray start --head --block` of our own (own temp dir, process group), with the
+    8 logical CPUs verl's main_ppo on CPU places its workers, TransferQueue and agent loop on."""
     import psutil
     from ray.job_submission import JobSubmissionClient
 
@@ -59,7 +59,7 @@ def ray_jobs():
     dashboard = _free_port()
     head_log = open(Path(temp) / "head.log", "wb")  # noqa: SIM115 - closed with the head below
     head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-                             f"--port={_free_port()}", "--num-cpus=2", "--node-ip-address=127.0.0.1",
+                             f"--port={_free_port()}", "--num-cpus=8", "--node-ip-address=127.0.0.1",
                              "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--include-dashboard=true",
                              # the agents' default ports (52365, ...) are taken when another head runs
                              f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
@@ -96,8 +96,7 @@ def test_a_verl_job_runs_on_ray_with_progress_mirroring_and_mlflow(ray_jobs, tmp
     store = Store(str(tmp_path / "store"))
     ingest(store, "gsm8k", DatasetConfig(source="fixtures://gsm8k?rows=16&seed=7", converter="gsm8k"),
            progress=lambda _: None)
-    backend = VerlBackend(python=verl_python(), shared_dir=str(tmp_path / "shared"), overrides=CPU_OVERRIDES,
-                          env=CPU_ENV)
+    backend = VerlBackend(python=verl_python(), shared_dir=str(tmp_path / "shared"), device="cpu")
     export = export_dataset(store, "gsm8k", None, backend.shared_dir, "sft")
     run_dir = backend.run_dir("gsm8k-sft", "k1", "sft")
     command = render(VerlTraining(task="sft", model=stage_model("tiny://lm", backend.shared_dir),

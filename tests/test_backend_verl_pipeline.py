@@ -1,14 +1,17 @@
-"""End to end with real verl: ingest GSM8K fixtures to an S3 store (moto) -> `sft` with `backend: verl`
-on tiny://lm (3 steps, verl's SFT trainer on CPU as a Ray Job on a real `ray start --head`) -> `eval`
--> `register`, with a real MLflow server. Asserts verl's train/loss in our child run, the mirrored
-checkpoints with manifests, verl's own Hugging Face weights committed as our checkpoint, and the
-registered version's lineage down to the raw files.
+"""End to end with real verl on a real `ray start --head`, an S3 store (moto) and an MLflow server:
+ingest the digits task -> `sft` with `backend: {name: verl, device: cpu}` on tiny://lm (verl's SFT
+trainer as a Ray Job) -> `rl` (verl's main_ppo GRPO from the sft checkpoint, `model: {from: sft}`, the
+digits reward, verl's CPU rollout `omni_cpu`) and `gspo` (main_ppo GSPO, to its first mirrored
+checkpoint) -> `eval` of the rl checkpoint -> `register`. Asserts verl's own metrics in our child runs
+(train/loss; critic/score/mean, actor/pg_loss, actor/ppo_kl and the rollout-vs-actor log-prob
+difference), the mirrored checkpoints with manifests, verl's own Hugging Face weights committed as our
+checkpoints, and the registered version's lineage down to the raw files.
 
 The faults run the `pipeline` flow itself (`omni run` in a subprocess, Prefect's embedded API): the
-trainer SIGKILLed once a step is mirrored and the shared path emptied, the flow's task retry resumes
-from S3 to the same final weights as the uninterrupted run (one module-scoped run of the same stage
-config serves both); and the flow-run process SIGTERMed (what Prefect's worker sends on cancel) while
-the job runs stops the Ray Job."""
+GRPO trainer SIGKILLed once a step is mirrored and the shared path emptied, the flow's task retry
+resumes from S3 to the same final weights as the uninterrupted run (the module-scoped run's rl stage,
+started here from the same sft checkpoint); and the flow-run process SIGTERMed (what Prefect's worker
+sends on cancel) while an sft job runs stops the Ray Job."""
 
 from __future__ import annotations
 
@@ -29,32 +32,47 @@ import yaml
 from mlflow import MlflowClient
 from mlflow_server import mlflow_server  # noqa: F401 - fixture
 from pipeline_runs import run_in_order
-from test_backend_verl_cpu import CPU_ENV, CPU_OVERRIDES
 from test_backend_verl_job import ray_jobs  # noqa: F401 - fixture
 from typer.testing import CliRunner
 from verl_env import verl_python
 
 from omni_core.backends.jobs.job import STEP_LINE
+from omni_core.backends.verl.stage import REWARD_FILES
 from omni_core.config import validate_pipeline
 from omni_core.storage import Store
 from omni_core.training.checkpoint import LATEST, MANIFEST, checkpoint_steps, stage_prefix
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the module run: 3 verl jobs on a loaded 2-core machine
 
-GSM8K = {"gsm8k": {"source": "fixtures://gsm8k?rows=16&seed=7", "converter": "gsm8k"}}
-TOTAL_STEPS = 3
+DIGITS = {"digits": {"source": "fixtures://digits?rows=24&seed=7", "converter": "digits"}}
+TOTAL_STEPS = 3  # sft
+RL_STEPS = 2
 
 
 def sft_stage(shared_dir: Path, **extra) -> dict:
-    """The verl sft stage every run of this module trains (the same data, model, steps and seed, so the
-    resumed run's weights can be compared with the uninterrupted run's); `extra`: keys that do not change
-    the rendered command (`execution`'s retries, `name`/`after`) or, for the cancel test, the steps."""
-    return {"name": "sft", "kind": "sft", "after": ["ingest"], "model": "tiny://lm", "data": "gsm8k:train",
+    """The verl sft stage of this module's runs (the cancel test changes its steps)."""
+    return {"name": "sft", "kind": "sft", "after": ["ingest"], "model": "tiny://lm", "data": "digits:train",
+            "algorithm": {"name": "sft", "response": "ground_truth"},
             "trainer": {"total_steps": TOTAL_STEPS, "batch_size": 4, "lr": 1e-3},
             "checkpoint": {"save_freq": 1, "max_to_keep": None},
-            "backend": {"name": "verl", "python": verl_python(), "shared_dir": str(shared_dir),
-                        "overrides": [*CPU_OVERRIDES, "data.max_length=512"], "env": CPU_ENV,
-                        "entrypoint_resources": {"entrypoint_num_cpus": 1}}, **extra}
+            "backend": {"name": "verl", "python": verl_python(), "shared_dir": str(shared_dir), "device": "cpu",
+                        "overrides": ["data.max_length=128"]}, **extra}
+
+
+def rl_stage(shared_dir: Path, *, name: str = "rl", algorithm: dict | None = None, steps: int = RL_STEPS,
+             model: dict | str | None = None, **extra) -> dict:
+    """A verl main_ppo stage on CPU: GRPO by default, from the sft stage's checkpoint, the digits reward
+    (partial credit, so a group's responses score differently and the policy gradient is not zero)."""
+    return {"name": name, "kind": "rl", "after": ["sft"] if model is None else ["ingest"],
+            "model": model or {"from": "sft"}, "data": "digits:train", "algorithm": algorithm or {"name": "grpo"},
+            "rollout": {"n": 4, "temperature": 1.0, "max_new_tokens": 8}, "reward": {"name": "digits"},
+            "trainer": {"total_steps": steps, "batch_size": 4, "lr": 1e-3, "max_prompt_tokens": 64},
+            "checkpoint": {"save_freq": 1, "max_to_keep": None},
+            "backend": {"name": "verl", "python": verl_python(), "shared_dir": str(shared_dir), "device": "cpu",
+                        "overrides": ["trainer.val_before_train=false"]}, **extra}
+
+
+GSPO = {"name": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"}
 
 
 @pytest.fixture(scope="module")
@@ -81,17 +99,20 @@ def verl_s3(moto_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  # noqa: F811
-    """ingest -> sft (verl) -> eval -> register, run once for the module without a fault."""
+    """ingest -> sft (verl) -> rl (verl GRPO) + gspo (verl GSPO, 1 step) -> eval -> register, run once."""
     store_uri = f"s3://{verl_s3}/store"
+    shared = tmp_path_factory.mktemp("verl-e2e") / "shared"
     config = validate_pipeline({
         "name": "verl-e2e", "store": store_uri, "tracking_uri": mlflow_server.url,
-        "ray": {"address": ray_jobs.get_address()}, "datasets": GSM8K,
+        "ray": {"address": ray_jobs.get_address()}, "datasets": DIGITS,
         "stages": [
-            {"name": "ingest", "kind": "ingest", "datasets": ["gsm8k"]},
-            sft_stage(tmp_path_factory.mktemp("verl-e2e") / "shared"),
-            {"name": "eval", "kind": "eval", "after": ["sft"], "data": "gsm8k:test", "max_new_tokens": 8,
-             "max_rows": 4, "samples": 2},
-            {"name": "register", "kind": "register", "after": ["eval"], "model_name": "verl-e2e-sft"},
+            {"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
+            sft_stage(shared),
+            rl_stage(shared),
+            rl_stage(shared, name="gspo", algorithm=GSPO, steps=1),
+            {"name": "eval", "kind": "eval", "after": ["rl"], "checkpoint_from": "rl", "data": "digits:test",
+             "max_new_tokens": 8, "max_rows": 4, "samples": 2},
+            {"name": "register", "kind": "register", "after": ["eval"], "model_name": "verl-e2e-rl"},
         ]})
     lines: list[str] = []
     run = run_in_order(config, progress=lines.append)
@@ -131,22 +152,55 @@ def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs
     assert out["weights_sha256"] == next(f["sha256"] for f in final["files"] if f["path"] == "model.safetensors")
     assert out["checkpoint_uri"] == final["uri"]
 
+    # ---- rl: verl's main_ppo GRPO from the sft checkpoint, on the CPU rollout
+    rl = run.outcomes["rl"]
+    rl_out = rl.outputs
+    assert rl_out["backend"] == "verl" and rl_out["global_step"] == RL_STEPS and not rl_out["reused"]
+    rl_tags = client.get_run(rl.mlflow_run_id).data.tags
+    assert "-m verl.trainer.main_ppo" in rl_tags["omni.verl.command"]
+    assert "actor_rollout_ref.rollout.name=omni_cpu" in rl_tags["omni.verl.command"]
+    assert f"reward.custom_reward_function.path={REWARD_FILES['digits']}" in rl_tags["omni.verl.command"]
+    assert rl_out["weights_sha256"] != out["weights_sha256"]  # trained from the sft checkpoint
+    metrics = {name: client.get_metric_history(rl.mlflow_run_id, name) for name in (
+        "critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "training/rollout_probs_diff_max",
+        "training/rollout_probs_diff_mean")}
+    for name, history in metrics.items():
+        assert sorted(m.step for m in history) == list(range(1, RL_STEPS + 1)), name
+    # the rollout's log-probs are the actor's (the same weights, pushed before each step's generation)
+    diff_max = max(m.value for m in metrics["training/rollout_probs_diff_max"])
+    assert diff_max < 1e-3, diff_max
+    print(f"verl GRPO on the CPU rollout: rollout-vs-actor |p diff| max {diff_max:.2e}, critic/score/mean "
+          f"{[round(m.value, 3) for m in sorted(metrics['critic/score/mean'], key=lambda m: m.step)]}")
+    rl_root = stage_prefix("verl-e2e", rl_out["run_key"], "rl")
+    assert checkpoint_steps(store, rl_root) == {step: True for step in range(1, RL_STEPS + 1)}
+
+    # ---- gspo: main_ppo's GSPO loss (its clip ratios, seq-mean-token-mean) to its first mirrored checkpoint
+    gspo = run.outcomes["gspo"]
+    gspo_command = client.get_run(gspo.mlflow_run_id).data.tags["omni.verl.command"]
+    for override in ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.clip_ratio_low=0.0003",
+                     "actor_rollout_ref.actor.clip_ratio_high=0.0004",
+                     "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"):
+        assert override in gspo_command, override
+    assert checkpoint_steps(store, stage_prefix("verl-e2e", gspo.outputs["run_key"], "gspo")) == {1: True}
+    assert client.get_metric_history(gspo.mlflow_run_id, "actor/pg_loss")
+
     evaluated = run.outcomes["eval"].outputs
-    assert evaluated["weights_sha256"] == out["weights_sha256"] and "val/reward_mean" in evaluated["metrics"]
+    assert evaluated["weights_sha256"] == rl_out["weights_sha256"] and "val/reward_mean" in evaluated["metrics"]
 
     from flows.cli import app
 
-    chain = CliRunner().invoke(app, ["lineage", "models:/verl-e2e-sft@candidate", "--json", "--tracking-uri",
+    chain = CliRunner().invoke(app, ["lineage", "models:/verl-e2e-rl@candidate", "--json", "--tracking-uri",
                                      mlflow_server.url, "--store", store_uri])
     assert chain.exit_code == 0, (chain.output, chain.exception)
     lineage = json.loads(chain.stdout)
-    assert lineage["checkpoint"]["uri"] == final["uri"] and lineage["checkpoint"]["sha256"] == out["weights_sha256"]
+    assert lineage["checkpoint"]["uri"] == rl_out["checkpoint_uri"]
+    assert lineage["checkpoint"]["sha256"] == rl_out["weights_sha256"]
     assert lineage["checkpoint"]["store_check"]["status"] == "ok"
-    [training] = lineage["training"]
-    assert training["run_id"] == sft.mlflow_run_id and training["algorithm"] == "sft"
-    [dataset] = lineage["datasets"]
-    manifest = store.read_json(f"datasets/gsm8k/{dataset['version']}/_manifest.json")
-    assert dataset["raw_source_uri"] == "fixtures://gsm8k?rows=16&seed=7"
+    assert [(t["run_id"], t["algorithm"]) for t in lineage["training"]][:2] == [
+        (rl.mlflow_run_id, "grpo"), (sft.mlflow_run_id, "sft")]
+    [dataset] = {d["version"]: d for d in lineage["datasets"]}.values()
+    manifest = store.read_json(f"datasets/digits/{dataset['version']}/_manifest.json")
+    assert dataset["raw_source_uri"] == DIGITS["digits"]["source"]
     assert dataset["raw_files"] == [{"path": f["path"], "sha256": f["sha256"]} for f in manifest["raw_files"]]
     assert dataset["raw_files"]
 
@@ -187,7 +241,20 @@ def _trainers(shared_dir: Path) -> list[psutil.Process]:
     return found
 
 
-def _kill_after_mirrored(store: Store, pipeline: str, shared_dir: Path, step: int, seen: dict,
+def _rl_trainers(shared_dir: Path, tracking_uri: str) -> list[psutil.Process]:
+    """verl main_ppo's driver of runs under `shared_dir` and its trainer loop (the TaskRunner actor, told
+    apart from other runs' on this machine by the MLflow server its job logs to)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or ())
+        with contextlib.suppress(psutil.Error):
+            if ("verl.trainer.main_ppo" in cmd and str(shared_dir) in cmd) or (
+                    "TaskRunner" in cmd and proc.environ().get("MLFLOW_TRACKING_URI") == tracking_uri):
+                found.append(proc)
+    return found
+
+
+def _kill_after_mirrored(store: Store, pipeline: str, shared_dir: Path, tracking_uri: str, step: int, seen: dict,
                          stop: threading.Event) -> None:
     """Once verl's latest file names `step`: SIGSTOP the trainer (so it cannot finish meanwhile); once the
     store shows the step mirrored: SIGKILL it and empty the shared path (a new cluster), so the retry
@@ -195,17 +262,18 @@ def _kill_after_mirrored(store: Store, pipeline: str, shared_dir: Path, step: in
     frozen: list[psutil.Process] = []
     while not stop.is_set():
         if not frozen:
-            for latest_file in shared_dir.glob(f"runs/{pipeline}/*/sft/{LATEST}"):
+            for latest_file in shared_dir.glob(f"runs/{pipeline}/*/rl/{LATEST}"):
                 text = latest_file.read_text().strip()
                 if text.isdigit() and int(text) >= step:
-                    frozen = _trainers(shared_dir)
+                    frozen = _rl_trainers(shared_dir, tracking_uri)
                     for proc in frozen:
                         proc.send_signal(signal.SIGSTOP)
         else:
-            latest = [k for k in store.list(f"runs/{pipeline}") if k.endswith(f"/sft/{LATEST}")]
+            latest = [k for k in store.list(f"runs/{pipeline}") if k.endswith(f"/rl/{LATEST}")]
             if latest and int(store.read_text(latest[0]).strip()) >= step:
                 seen["mirrored"] = int(store.read_text(latest[0]).strip())
                 seen["root"] = latest[0].rsplit("/", 1)[0]
+                seen["frozen"] = [" ".join(p.cmdline())[:80] for p in frozen]
                 for proc in frozen:
                     proc.send_signal(signal.SIGKILL)
                 psutil.wait_procs(frozen, timeout=30)
@@ -215,61 +283,65 @@ def _kill_after_mirrored(store: Store, pipeline: str, shared_dir: Path, step: in
         time.sleep(0.05)
 
 
-def test_a_killed_trainer_is_retried_by_the_flow_and_resumes_from_s3_to_the_same_weights(
+def test_a_killed_rl_trainer_is_retried_by_the_flow_and_resumes_from_s3_to_the_same_weights(
         uninterrupted, ray_jobs, mlflow_server, verl_s3, tmp_path):  # noqa: F811
-    """The stage runs inside the `pipeline` flow (`omni run`): its trainer is paused once it saved step 1
-    and SIGKILLed once that step is mirrored to S3, and the shared path is deleted; the flow's task retry (`execution.max_failures: 1`)
-    resubmits `-attempt-2`, which restores the mirrored checkpoint from S3 and resumes with verl's
-    resume_mode=auto. The final merged weights are byte-identical to the uninterrupted run's: verl's SFT
-    on CPU is deterministic here (one rank, gloo, the same staged model, verl's DistributedSampler
-    shuffling with its fixed seed 0 and the epoch, and the restored optimizer state, lr scheduler and
-    data cursor carry the run on exactly)."""
+    """The module run's GRPO stage again, inside the `pipeline` flow (`omni run`), from the same sft
+    checkpoint (its URI): once it saved step 1 its driver and trainer loop are paused, and SIGKILLed once
+    that step is mirrored to S3, and the shared path is deleted; the flow's task retry
+    (`execution.max_failures: 1`) resubmits `-attempt-2`, which restores the mirrored checkpoint from S3
+    and resumes with verl's resume_mode=auto. The final weights are byte-identical to the uninterrupted
+    run's: verl's GRPO on one CPU rank is deterministic with the CPU rollout (per-request sampling seeds,
+    the batch sorted into submission order; runtime/omni_verl_cpu_rollout.py), and the restored optimizer
+    state, data cursor and weights version carry the run on exactly."""
     store_uri = f"s3://{verl_s3}/store"
     shared = tmp_path / "shared"
+    sft_checkpoint = uninterrupted["run"].outcomes["sft"].outputs["checkpoint_uri"]
     config = {"name": "verl-fault", "store": store_uri, "tracking_uri": mlflow_server.url,
-              "ray": {"address": ray_jobs.get_address()}, "datasets": GSM8K,
-              "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["gsm8k"]},
-                         sft_stage(shared, execution={"max_failures": 1, "retry_backoff_s": 1.0})]}
+              "ray": {"address": ray_jobs.get_address()}, "datasets": DIGITS,
+              "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
+                         rl_stage(shared, model=sft_checkpoint,
+                                  execution={"max_failures": 1, "retry_backoff_s": 1.0})]}
     store = Store(store_uri)
     seen: dict = {}
     stop = threading.Event()
-    killer = threading.Thread(target=_kill_after_mirrored, args=(store, "verl-fault", shared, 1, seen, stop),
-                              daemon=True)
+    killer = threading.Thread(target=_kill_after_mirrored, daemon=True,
+                              args=(store, "verl-fault", shared, mlflow_server.url, 1, seen, stop))
     killer.start()
     proc, out = _omni_run(tmp_path / "run", config)
     try:
-        code = _end(proc, timeout=600)
+        code = _end(proc, timeout=900)
     finally:
         stop.set()
     log = out.read_text()
     assert seen.get("killed"), f"the trainer was never killed:\n{log[-3000:]}"
+    assert any("main_ppo" in c for c in seen["frozen"]) and any("TaskRunner" in c for c in seen["frozen"]), seen
     assert code == 0, log[-4000:]
     mirrored, root = seen["mirrored"], seen["root"]
-    assert "stage sft: verl resumes from global_step_" in log, log[-4000:]
-    resumed = int(log.split("stage sft: verl resumes from global_step_")[1].split()[0])
+    assert "stage rl: verl resumes from global_step_" in log, log[-4000:]
+    resumed = int(log.split("stage rl: verl resumes from global_step_")[1].split()[0])
     assert resumed >= mirrored  # restored from the mirror (the shared path was empty)
 
     run_key = root.split("/")[2]
-    attempt2 = f"omni-verl-verl-fault-sft-{run_key}-attempt-2"
+    attempt2 = f"omni-verl-verl-fault-rl-{run_key}-attempt-2"
     client = MlflowClient(mlflow_server.url)
     [retried] = client.search_runs([client.get_experiment_by_name("verl-fault").experiment_id],
                                    f"tags.`omni.verl.submission_id` = '{attempt2}'")
     local = client.download_artifacts(retried.info.run_id, f"verl/{attempt2}.log", str(tmp_path))
     steps = [int(s) for s in STEP_LINE.findall(Path(local).read_text())]
-    assert steps and min(steps) == resumed + 1 and max(steps) == TOTAL_STEPS  # resumed, not restarted
+    assert steps and min(steps) == resumed + 1 and max(steps) == RL_STEPS  # resumed, not restarted
 
     # the restored optimizer state and data cursor are the mirrored bytes (restore checks every sha256)
     restored = store.read_json(f"{root}/checkpoints/global_step_{resumed}/{MANIFEST}")
     by_path = {f["path"]: f["sha256"] for f in restored["files"]}
     from omni_core.storage import file_digest
 
-    run_dir = shared / "runs" / "verl-fault" / run_key / "sft"
-    for name in ("optim_world_size_1_rank_0.pt", "data_0.pt"):
+    run_dir = shared / "runs" / "verl-fault" / run_key / "rl"
+    for name in ("actor/optim_world_size_1_rank_0.pt", "data.pt"):
         assert file_digest(run_dir / f"global_step_{resumed}" / name)[1] == by_path[name]
     # ... and the final weights are the uninterrupted run's, byte for byte
-    final = store.read_json(f"{root}/checkpoints/global_step_{TOTAL_STEPS}/{MANIFEST}")
+    final = store.read_json(f"{root}/checkpoints/global_step_{RL_STEPS}/{MANIFEST}")
     weights = next(f["sha256"] for f in final["files"] if f["path"] == "model.safetensors")
-    assert weights == uninterrupted["run"].outcomes["sft"].outputs["weights_sha256"]
+    assert weights == uninterrupted["run"].outcomes["rl"].outputs["weights_sha256"]
 
 
 def test_cancelling_the_flow_run_stops_the_ray_job(ray_jobs, mlflow_server, verl_s3, tmp_path):  # noqa: F811
@@ -279,8 +351,8 @@ def test_cancelling_the_flow_run_stops_the_ray_job(ray_jobs, mlflow_server, verl
     the process goes; the trainer is gone with it."""
     shared = tmp_path / "shared"
     config = {"name": "verl-cancel", "store": f"s3://{verl_s3}/store", "tracking_uri": mlflow_server.url,
-              "ray": {"address": ray_jobs.get_address()}, "datasets": GSM8K,
-              "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["gsm8k"]},
+              "ray": {"address": ray_jobs.get_address()}, "datasets": DIGITS,
+              "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
                          {**sft_stage(shared), "trainer": {"total_steps": 500, "batch_size": 4, "lr": 1e-3}}]}
     proc, out = _omni_run(tmp_path / "run", config)
     try:

@@ -91,7 +91,7 @@ def test_where_verl_runs_is_not_in_the_run_key_but_what_it_trains_is(tmp_path):
 @pytest.mark.parametrize(("stage", "change", "expected"), [
     ("rl", {"execution": {"mode": "separate_async"}}, "stages.rl.execution.mode: backend verl schedules"),
     ("rl", {"rollout": {"max_num_seqs": 64}}, "stages.rl.rollout.max_num_seqs: an engine option"),
-    ("rl", {"reward": {"name": "digits"}}, "stages.rl.reward.name: digits: verl scores each row"),
+    ("rl", {"reward": {"name": "mmk12"}}, "stages.rl.reward.name: mmk12: verl scores each row"),
     ("rl", {"resources": {"rollout": {"GPU": 1}}}, "stages.rl.resources: not used by backend verl"),
     ("rl", {"algorithm": {"name": "grpo", "adv_scale": "batch"}}, "stages.rl.algorithm.adv_scale=batch"),
     ("rl", {"trainer": {"batch_size": 6, "ppo_mini_batch_size": 4}}, "stages.rl.trainer.ppo_mini_batch_size=4"),

@@ -6,29 +6,14 @@ is the share of positions where it agrees with the ground truth, over the longer
     score = #{i : answer[i] == truth[i]} / max(len(answer), len(truth))
 
 so `9174` for truth `9174` scores 1.0, `9170` 0.75, `91` 0.5, `91745` 0.8. Returns
-{score, acc (exact match)}. Signature: verl's custom reward (registry.py).
+{score, acc (exact match)}. Signature: verl's custom reward (registry.py). The scorer itself is in
+digits_score.py (standard library only): verl's interpreter loads that file by path as its
+`reward.custom_reward_function` (backend verl).
 """
 
 from __future__ import annotations
 
-import re
-from typing import Any
-
+from omni_core.rewards.digits_score import compute_score as _score
 from omni_core.rewards.registry import register_reward
 
-_DIGITS = re.compile(r"[0-9]+")
-
-
-@register_reward("digits", data_sources=["digits_rotate"])
-def compute_score(
-    data_source: str,
-    solution_str: str,
-    ground_truth: str,
-    extra_info: dict[str, Any] | None = None,
-    **kwargs: Any,
-) -> dict[str, float]:
-    answer = solution_str.strip()
-    if not _DIGITS.fullmatch(answer):
-        return {"score": 0.0, "acc": 0.0}
-    matches = sum(a == b for a, b in zip(answer, ground_truth, strict=False))
-    return {"score": matches / max(len(answer), len(ground_truth)), "acc": float(answer == ground_truth)}
+compute_score = register_reward("digits", data_sources=["digits_rotate"])(_score)

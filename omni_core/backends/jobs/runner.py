@@ -208,10 +208,10 @@ def run_job(inputs: JobInputs, trainer: JobTrainer) -> dict[str, Any]:
 
 
 def merge_fsdp_checkpoint(client: Any, python: str, step_dir: Path, job_id: str, env: dict[str, Any], poll_s: float,
-                          progress: Callable[[str], None]) -> str:
-    """verl's model merger as a helper Ray Job: FSDP shards -> step_dir/merged (a Hugging Face folder);
-    returns the verl version the job printed."""
-    merge = [python, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(step_dir),
+                          progress: Callable[[str], None], shards_dir: Path | None = None) -> str:
+    """verl's model merger as a helper Ray Job: FSDP shards (in `shards_dir`, default step_dir) ->
+    step_dir/merged (a Hugging Face folder); returns the verl version the job printed."""
+    merge = [python, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(shards_dir or step_dir),
              "--target_dir", str(step_dir / MERGED)]
     entry = f"{shlex.join(version_probe(python))} && {shlex.join(merge)}"
     merge_id = f"{job_id}-merge-{step_dir.name}"

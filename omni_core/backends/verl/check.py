@@ -24,12 +24,15 @@ def compose(command: VerlCommand, python: str) -> dict[str, Any]:
     return result
 
 
-def compose_all(commands: list[VerlCommand], python: str) -> list[dict[str, Any] | ConfigError]:
+def compose_all(commands: list[VerlCommand], python: str, load_model: bool = True) -> list[dict[str, Any] | ConfigError]:
     """For each command (one interpreter start for all): its composed config (`config`, `verl_version`),
-    or the ConfigError that names why verl refuses it."""
-    request = json.dumps([{"config_name": c.config_name, "overrides": c.overrides} for c in commands])
-    env = {**os.environ, **{k: v for c in commands for k, v in c.env.items()}}
-    env.pop("PYTHONPATH", None)  # verl's interpreter sees only its own packages
+    or the ConfigError that names why verl refuses it. `load_model=False`: sft_trainer's model section
+    (which reads the model's config from model.path) is not converted (a model not staged yet)."""
+    request = json.dumps([{"config_name": c.config_name, "overrides": c.overrides, "load_model": load_model}
+                          for c in commands])
+    # verl's interpreter sees its own packages and the job's env (device cpu: the runtime modules), not our path
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update({k: v for c in commands for k, v in c.env.items()})
     try:
         proc = subprocess.run([python, str(SCRIPT)], input=request, capture_output=True, text=True, env=env,
                               timeout=TIMEOUT_S * max(1, len(commands)))

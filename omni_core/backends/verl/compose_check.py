@@ -2,7 +2,7 @@
 validation, without training anything. Run as a script by the interpreter that has verl
 (`check.compose`); it imports neither omni_core nor anything else of ours.
 
-stdin: a list of {"config_name": "ppo_trainer" | "sft_trainer_engine", "overrides": [...]}
+stdin: a list of {"config_name": "ppo_trainer" | "sft_trainer_engine", "overrides": [...], "load_model": bool}
 stdout: one JSON line per request, in order (verl is imported once for all of them):
         {"ok": true, "verl_version": ..., "config": {...}} or
         {"ok": false, "stage": "compose" | "validate", "error_type": ..., "error": ...}
@@ -46,7 +46,8 @@ def check(request: dict) -> dict:
         else:
             from verl.utils.config import omega_conf_to_dataclass
 
-            for section in ("model", "engine", "optim", "checkpoint", "profiler"):
+            sections = ("model",) if request.get("load_model", True) else ()
+            for section in (*sections, "engine", "optim", "checkpoint", "profiler"):
                 omega_conf_to_dataclass(config[section])
         resolved = OmegaConf.to_container(config, resolve=True)
     except Exception as exc:

@@ -6,9 +6,9 @@ options. `render.py` turns both into verl's command line.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 from omni_core.backends.jobs.options import JobBackendOptions
 
@@ -26,6 +26,9 @@ class VerlBackend(JobBackendOptions):
     nnodes: int = Field(1, ge=1)
     n_gpus_per_node: int = Field(1, ge=1)
     rollout_engine: Literal["vllm", "sglang"] = Field("vllm", description="main_ppo's rollout engine.")
+    device: Literal["gpu", "cpu"] = Field(
+        "gpu", description="cpu: the same command on one CPU rank, with verl's `omni_cpu` rollout (transformers) "
+                           "and a CPU platform for verl (backends/verl/cpu.py); the Ray node needs >= 8 CPUs.")
     overrides: list[str] = Field(default_factory=list, description="Hydra overrides appended verbatim, last.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables of the job "
                                 "(never secrets: those are forwarded by name from the driver).")
@@ -44,6 +47,14 @@ class VerlBackend(JobBackendOptions):
                 raise ValueError(f"backend.overrides: {item!r} is not a Hydra override; write key=value "
                                  "(+key=value adds a key, ~key deletes one)")
         return value
+
+    @model_serializer(mode="wrap")
+    def _dump_without_default_device(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """`device` left at gpu is not dumped: config digests stay what they were."""
+        data = handler(self)
+        if data.get("device") == "gpu":
+            data.pop("device", None)
+        return data
 
 
 @dataclass(frozen=True)
@@ -66,7 +77,7 @@ class VerlTraining:
     project_name: str = "omni"
     experiment_name: str = "verl"
     # checkpoints
-    save_freq: int = 0  # 0: only at the end (verl: -1)
+    save_freq: int = 0  # 0: only at the end (sft_trainer: -1; main_ppo: total_steps, as its -1 never saves)
     max_to_keep: int | None = None
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     resume_from_path: str | None = None
@@ -87,6 +98,7 @@ class VerlTraining:
     loss_agg_mode: str | None = None
     kl_beta: float | None = None
     adv_scale: Literal["group", "batch", "none"] | None = None
+    reward_file: str | None = None  # verl's reward.custom_reward_function.path (None: by the rows' data_source)
 
     RL_ONLY = ("ppo_mini_batch_size", "ppo_epochs", "rollout_n", "temperature", "top_p", "max_new_tokens",
-               "clip_ratio_low", "clip_ratio_high", "loss_agg_mode", "kl_beta", "adv_scale")
+               "clip_ratio_low", "clip_ratio_high", "loss_agg_mode", "kl_beta", "adv_scale", "reward_file")

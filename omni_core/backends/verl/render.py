@@ -1,7 +1,7 @@
 """Our options -> verl's command line: `torchrun -m verl.trainer.sft_trainer` (task sft) and
 `python3 -m verl.trainer.main_ppo` (grpo, gspo), each with every Hydra override spelled out.
 
-Order: our overrides, then `backend.overrides` verbatim (Hydra applies the last value of a key, so a
+Order: our overrides (with `device: cpu`, cpu.py's added), then `backend.overrides` verbatim (Hydra applies the last value of a key, so a
 user override wins). An option verl cannot honour is a ConfigError naming our key.
 
 Version notes. The tests compose against verl 0.9.1 (PyPI); the CUDA image pins verl at git commit
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_core.backends.jobs.job import version_probe
+from omni_core.backends.verl.cpu import cpu_env, cpu_overrides
 from omni_core.backends.verl.options import VerlBackend, VerlTraining
 from omni_core.errors import ConfigError
 
@@ -84,8 +85,8 @@ def render(training: VerlTraining, backend: VerlBackend, default_local_dir: str 
     # job's working directory (on a Ray cluster: wherever the job server runs entrypoints)
     ours.append(f"hydra.run.dir={hydra_value(f'{local_dir}/hydra/${{now:%Y-%m-%d_%H-%M-%S}}')}")
     overrides = ours + list(backend.overrides)
-    return VerlCommand(training.task, module, config, argv0 + overrides, overrides, dict(backend.env),
-                       str(local_dir))
+    env = cpu_env(training.task, dict(backend.env)) if backend.device == "cpu" else dict(backend.env)
+    return VerlCommand(training.task, module, config, argv0 + overrides, overrides, env, str(local_dir))
 
 
 def _check_common(t: VerlTraining) -> None:
@@ -106,7 +107,8 @@ def _check_common(t: VerlTraining) -> None:
 def _common_trainer(t: VerlTraining, b: VerlBackend, local_dir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {
         "trainer.total_training_steps": t.total_steps,
-        "trainer.save_freq": t.save_freq if t.save_freq > 0 else -1,
+        # 0 (only at the end): sft_trainer's -1 still saves the last step, main_ppo's saves nothing at all
+        "trainer.save_freq": t.save_freq if t.save_freq > 0 else (-1 if t.task == "sft" else t.total_steps),
         "trainer.resume_mode": t.resume_mode,
         "trainer.default_local_dir": str(local_dir),
         "trainer.logger": LOGGERS,
@@ -152,12 +154,15 @@ def _sft_overrides(t: VerlTraining, b: VerlBackend, local_dir: Path) -> list[str
         "optim.lr": t.lr,
         "optim.clip_grad": t.max_grad_norm,
         "trainer.seed": t.seed,
+        # verl's sft_trainer stops after total_epochs (default 1) even before total_training_steps: with at
+        # least one step an epoch, total_steps epochs never cut the run short
+        "trainer.total_epochs": t.total_steps,
         "trainer.max_ckpt_to_keep": t.max_to_keep,
         "checkpoint.save_contents": save_contents(b),
         **_common_trainer(t, b, local_dir),
         **_lora(t, "model"),
     }
-    return [f"{k}={hydra_value(v)}" for k, v in values.items()]
+    return _listed(t.task, b, values)
 
 
 def save_contents(b: VerlBackend) -> list[str]:
@@ -216,6 +221,15 @@ def _ppo_overrides(t: VerlTraining, b: VerlBackend, local_dir: Path) -> list[str
         **_common_trainer(t, b, local_dir),
         **_lora(t, "actor_rollout_ref.model"),
     }
+    if t.reward_file:
+        values.update({"reward.custom_reward_function.path": t.reward_file,
+                       "reward.custom_reward_function.name": "compute_score"})
+    return _listed(t.task, b, values)
+
+
+def _listed(task: str, b: VerlBackend, values: dict[str, Any]) -> list[str]:
+    if b.device == "cpu":
+        values = cpu_overrides(task, values, b.python)
     return [f"{k}={hydra_value(v)}" for k, v in values.items()]
 
 

@@ -44,20 +44,23 @@ from omni_core.backends.jobs.runner import (
     merge_fsdp_checkpoint,
     run_job,
 )
-from omni_core.backends.verl.render import VerlCommand
+from omni_core.backends.verl.render import PPO_MODULE, VerlCommand
 from omni_core.backends.verl.stage import command, layout, response_field
 from omni_core.errors import ConfigError
 
 HF_DIR = "huggingface"  # verl's own Hugging Face save (checkpoint.save_contents with hf_model)
 
 
-def entrypoint_resources(command: VerlCommand, n_gpus_per_node: int) -> dict[str, float]:
+def entrypoint_resources(command: VerlCommand, n_gpus_per_node: int, device: str = "gpu") -> dict[str, float]:
     """`submit_job` keyword arguments for the entry point's own resources. `torchrun -m
     verl.trainer.sft_trainer` trains in the entrypoint's own processes, so an sft job asks for the node's
     GPUs (`entrypoint_num_gpus`). Without any entrypoint resources Ray sets
     RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 on the entrypoint (ray job_manager.py), and verl's Worker
     then looks its device up in Ray's accelerator ids of a process that has none (KeyError / IndexError,
-    seen in the CPU test). main_ppo's driver only places Ray actors, which ask for their own GPUs."""
+    seen in the CPU test). main_ppo's driver only places Ray actors, which ask for their own GPUs. On CPU
+    (`device: cpu`) one CPU: any entrypoint resource keeps that variable out of the job's env."""
+    if device == "cpu":
+        return {"entrypoint_num_cpus": 1}
     return {"entrypoint_num_gpus": n_gpus_per_node} if command.module.endswith("sft_trainer") else {}
 
 
@@ -84,7 +87,7 @@ class VerlTrainer:
         cmd = command(stage, pipeline=inputs.pipeline, run_key=inputs.run_key, model=model,
                       train_files=exported.files[inputs.split], seed=inputs.seed)
         resources = dict(backend.entrypoint_resources) if backend.entrypoint_resources is not None \
-            else entrypoint_resources(cmd, backend.n_gpus_per_node)
+            else entrypoint_resources(cmd, backend.n_gpus_per_node, backend.device)
         return PreparedJob(
             command=cmd, env=runtime_env(cmd, tracking_uri=inputs.tracking_uri, mlflow_run_id=inputs.mlflow_run_id),
             resources=resources, checkpoints=Path(cmd.default_local_dir), announce="Ray Job",
@@ -99,15 +102,17 @@ class VerlTrainer:
         inputs, cmd = done.inputs, done.prepared.command
         found = VERSION_LINE.search(done.log())
         verl_version = found.group(1) if found else "unknown"
+        # main_ppo saves the actor's shards and Hugging Face folder under global_step_N/actor/
+        actor_dir = done.step_dir / "actor" if cmd.module == PPO_MODULE else done.step_dir  # type: ignore[attr-defined]
         if inputs.stage.backend.hf_model == "merge":
             with timed("merge"):
                 merged_version = merge_fsdp_checkpoint(done.client, cmd.argv[0], done.step_dir,  # type: ignore[attr-defined]
                                                        done.submission_id, done.prepared.env, inputs.poll_s,
-                                                       inputs.progress)
+                                                       inputs.progress, shards_dir=actor_dir)
             verl_version = verl_version if found else merged_version
             hf_dir = done.step_dir / MERGED
         else:
-            hf_dir = done.step_dir / HF_DIR
+            hf_dir = actor_dir / HF_DIR
             if not any(hf_dir.glob("*.safetensors")):
                 raise ConfigError(f"stages.{inputs.stage.name}: verl saved no weights in {hf_dir} although "
                                   "backend.hf_model is save (checkpoint.save_contents lacks hf_model: is it overridden "

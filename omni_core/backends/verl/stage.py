@@ -13,7 +13,7 @@ What verl cannot honour is refused here, naming the stage key (at `omni validate
 other algorithms, `execution` scheduling (verl schedules its own workers), `resources` / `num_cpus` /
 `adapter` / `adapter_stage` (verl places its workers from nnodes / n_gpus_per_node and loads Hugging
 Face models), `rollout.max_num_seqs` / `step_execution` (engine knobs: `backend.overrides`), a reward
-other than the rows' own `data_source` scorer, `checkpoint.force_resume`, an SFT
+other than the rows' own `data_source` scorer or one of ours verl loads by path (digits), `checkpoint.force_resume`, an SFT
 `trainer.max_prompt_tokens` (verl truncates the whole sequence: `data.max_length`), and whatever
 the renderer refuses (lora.dropout, adv_scale batch, a mini batch that does not divide the batch).
 """
@@ -25,6 +25,7 @@ from typing import Any
 
 from omni_core.backends.jobs.export import planned_model_path
 from omni_core.backends.jobs.job import describe_env, runtime_env, submission_id
+from omni_core.backends.verl.cpu import cpu_problem
 from omni_core.backends.verl.options import VerlBackend, VerlTraining
 from omni_core.backends.verl.render import VerlCommand, render
 from omni_core.errors import ConfigError
@@ -34,6 +35,8 @@ SFT_RESPONSE = {"auto": "extra_info.answer", "answer": "extra_info.answer", "gro
 # execution keys the stage itself honours around the job (resubmissions); the rest schedule our actors
 EXECUTION_HONOURED = frozenset({"max_failures", "retry_backoff_s"})
 DEFAULT_REWARD = "gsm8k"  # what the stage model defaults to; verl scores by the rows' data_source
+# our rewards whose scorer verl loads by path (standard library only): reward.custom_reward_function.path
+REWARD_FILES = {"digits": str(Path(__file__).resolve().parents[2] / "rewards" / "digits_score.py")}
 
 
 def layout(stage: Any) -> str:
@@ -69,13 +72,16 @@ def verl_problem(stage: Any) -> str | None:
         for key in sorted(stage.rollout.model_fields_set & {"max_num_seqs", "step_execution"}):
             return (f"{where}.rollout.{key}: an engine option of our rollout; for verl's engine set it in "
                     "backend.overrides (e.g. actor_rollout_ref.rollout.max_num_seqs=256)")
-        if stage.reward.name != DEFAULT_REWARD:
+        if stage.reward.name != DEFAULT_REWARD and stage.reward.name not in REWARD_FILES:
             return (f"{where}.reward.name: {stage.reward.name}: verl scores each row with its data_source's reward "
-                    "(GSM8K: gsm8k); a custom one goes in backend.overrides "
-                    "(reward.custom_reward_function.path=..., .name=...)")
+                    f"(GSM8K: gsm8k) or one of ours it can load by path ({', '.join(REWARD_FILES)}); a custom one goes "
+                    "in backend.overrides (reward.custom_reward_function.path=..., .name=...)")
     elif "max_prompt_tokens" in stage.trainer.model_fields_set:
         return (f"{where}.trainer.max_prompt_tokens: verl's sft_trainer truncates prompt and response together; "
                 "set backend.overrides: [data.max_length=N] instead")
+    backend = stage.backend
+    if backend.device == "cpu" and (problem := cpu_problem(TASKS[algo], backend, backend.model_fields_set)):
+        return f"{where}.backend.{problem}"
     if stage.checkpoint.force_resume:
         return (f"{where}.checkpoint.force_resume: verl resumes from its own checkpoints without a config check; "
                 "remove it (a changed config has another run key, hence another checkpoint folder)")
@@ -112,7 +118,8 @@ def training(stage: Any, *, model: str, train_files: list[str], seed: int, pipel
         **common, max_prompt_tokens=trainer.max_prompt_tokens, ppo_mini_batch_size=trainer.ppo_mini_batch_size,
         ppo_epochs=trainer.ppo_epochs, rollout_n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
         max_new_tokens=rollout.max_new_tokens, clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
-        loss_agg_mode=algo.loss_agg_mode, kl_beta=algo.kl_beta, adv_scale=algo.adv_scale)
+        loss_agg_mode=algo.loss_agg_mode, kl_beta=algo.kl_beta, adv_scale=algo.adv_scale,
+        reward_file=REWARD_FILES.get(stage.reward.name))
 
 
 def command(stage: Any, *, pipeline: str, run_key: str, model: str, train_files: list[str], seed: int,

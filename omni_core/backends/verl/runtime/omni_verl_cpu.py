@@ -1,8 +1,9 @@
-"""Runs verl 0.9.1's SFT trainer on CPU, for the tests only (no GPU on the CI machine).
+"""A `cpu` platform for verl 0.9.1: verl's trainers (sft_trainer, main_ppo) on one CPU rank with gloo.
 
-Loaded by verl itself through its extension hook: `VERL_USE_EXTERNAL_MODULES=omni_verl_cpu` with this
-folder on PYTHONPATH (verl imports the module when `import verl` runs). verl 0.9.1 has no CPU
-platform (`utils/device.py` delegates to `verl.plugin.platform`, whose registry knows cuda, npu and
+Runs inside verl's interpreter, never in ours: `backend: {name: verl, device: cpu}` puts this folder on
+the job's PYTHONPATH and names the module first in `VERL_USE_EXTERNAL_MODULES`, and `import verl`
+imports it in every process of the job (omni_core/backends/verl/cpu.py renders that). verl 0.9.1 has no
+CPU platform (`utils/device.py` delegates to `verl.plugin.platform`, whose registry knows cuda, npu and
 rocm, and falls back to cuda), so this module:
 
 - registers a `cpu` platform in `verl.plugin.platform` and makes it the current one: gloo, one
@@ -11,10 +12,10 @@ rocm, and falls back to cuda), so this module:
 - replaces verl's process-group set-up, which builds the backend string `cpu:gloo,cpu:gloo` (torch
   rejects a device listed twice), with a plain gloo group.
 
-The job also needs (the tests pass them): `VERL_ENGINE_DEVICE=cuda` (verl registers its FSDP engine
-for cuda and npu only; the engine itself then runs on the platform's device), `engine.strategy=fsdp2`
-(fsdp1 needs an accelerator), `+model.override_config.attn_implementation=sdpa` (the default is
-flash_attention_2) and `trainer.device=cpu`.
+The job also needs (rendered with device cpu): `VERL_ENGINE_DEVICE=cuda` (verl registers its FSDP engine
+for cuda and npu only; the engine itself then runs on the platform's device), strategy fsdp2 (fsdp1
+needs an accelerator), `attn_implementation=sdpa` (the default is flash_attention_2) and
+`trainer.device=cpu`. main_ppo's rollout is `omni_verl_cpu_rollout.py`, next to this file.
 """
 
 from __future__ import annotations
