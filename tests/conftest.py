@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +221,35 @@ def store(request: pytest.FixtureRequest, tmp_path: Path):
         return Store(str(tmp_path / "store"))
     bucket = request.getfixturevalue("s3_bucket")
     return Store(f"s3://{bucket}/omni")
+
+
+# ---- MLflow: a migrated sqlite tracking database, copied for each fresh one ------------------------
+
+
+@pytest.fixture(scope="session")
+def mlflow_db(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], str]:
+    """`mlflow_db(path)` puts an empty MLflow sqlite database at `path` and returns its tracking URI
+    (`sqlite:///path`). The database is a copy of one created and migrated once per run (MLflow's
+    ~50 schema migrations cost each fresh database ~1.2 CPU s and a few seconds on a busy machine); a
+    copy is what MLflow itself would have created there. The first use by MLflow of a fresh database
+    stays tested where it matters (tests/test_cli_ingest.py: a new user's first command)."""
+    base = tmp_path_factory.getbasetemp()
+    template = (base.parent if _xdist_worker() else base) / "mlflow-template.db"
+    if not template.exists():  # built aside and renamed into place: the workers may race here
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+        building = template.with_name(f"mlflow-template-{uuid.uuid4().hex}.db")
+        # MLflow's `Default` experiment keeps its artifacts under the creator's cwd; here under the run's
+        # temporary folder (omni logs to experiments of its own, with their own artifact location)
+        SqlAlchemyStore(f"sqlite:///{building}", str(template.parent / "mlruns")).engine.dispose()
+        os.replace(building, template)
+
+    def fresh(path: Path) -> str:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(template, path)
+        return f"sqlite:///{path}"
+
+    return fresh
 
 
 # ---- tiny models ---------------------------------------------------------------------------------

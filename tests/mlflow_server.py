@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +76,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(moto_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+def mlflow_server(moto_server: str, tmp_path_factory: pytest.TempPathFactory,
+                  mlflow_db: Callable[[Path], str]) -> Iterator[MlflowServer]:
     import boto3
 
     folder = tmp_path_factory.mktemp("mlflow-server")
@@ -85,7 +86,7 @@ def mlflow_server(moto_server: str, tmp_path_factory: pytest.TempPathFactory) ->
     boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1", aws_access_key_id="testing",
                  aws_secret_access_key="testing").create_bucket(Bucket=bucket)
     port = _free_port()
-    backend = f"sqlite:///{folder / 'mlflow.db'}"
+    backend = mlflow_db(folder / "mlflow.db")  # migrated already: the server starts sooner
     env = {**os.environ, **s3_env, "AWS_CONFIG_FILE": str(folder / "no-aws-config"),
            "AWS_SHARED_CREDENTIALS_FILE": str(folder / "no-aws-credentials"),
            # MLflow's job runner (a huey consumer per job queue, for GenAI jobs we never submit) would

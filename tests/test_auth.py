@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def servers(tmp_path_factory: pytest.TempPathFactory, mlflow_db: Any) -> Any:
     folder = tmp_path_factory.mktemp("auth")
     started: list[Any] = []
     try:
@@ -41,7 +41,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
                                    PREFECT_AUTH)]
             try:
                 s3 = futures[0].result()
-                futures.append(pool.submit(mlflow_server, folder / "mlflow", f"sqlite:///{folder / 'mlflow.db'}",
+                futures.append(pool.submit(mlflow_server, folder / "mlflow", mlflow_db(folder / "mlflow.db"),
                                            "s3://auth-artifacts/ml", f"sqlite:///{folder / 'auth.db'}",
                                            MLFLOW_PASSWORD, s3.client_env()))
                 s3.client().create_bucket(Bucket="auth-artifacts")

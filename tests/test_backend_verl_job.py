@@ -92,7 +92,7 @@ def ray_jobs():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_a_verl_job_runs_on_ray_with_progress_mirroring_and_mlflow(ray_jobs, tmp_path, omni_cache):
+def test_a_verl_job_runs_on_ray_with_progress_mirroring_and_mlflow(ray_jobs, tmp_path, omni_cache, mlflow_db):
     store = Store(str(tmp_path / "store"))
     ingest(store, "gsm8k", DatasetConfig(source="fixtures://gsm8k?rows=16&seed=7", converter="gsm8k"),
            progress=lambda _: None)
@@ -102,7 +102,7 @@ def test_a_verl_job_runs_on_ray_with_progress_mirroring_and_mlflow(ray_jobs, tmp
     command = render(VerlTraining(task="sft", model=stage_model("tiny://lm", backend.shared_dir),
                                   train_files=export.files["train"], total_steps=2, batch_size=4, lr=1e-3,
                                   save_freq=1, max_length=512), backend, run_dir)
-    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking = mlflow_db(tmp_path / "mlflow.db")
     client = MlflowClient(tracking)
     run = client.create_run(client.create_experiment("verl-job"))
     env = runtime_env(command, tracking_uri=tracking, mlflow_run_id=run.info.run_id,
@@ -153,7 +153,8 @@ def test_a_verl_job_runs_on_ray_with_progress_mirroring_and_mlflow(ray_jobs, tmp
     assert ray_jobs.get_job_status(second.submission_id).value == "STOPPED"
 
 
-def test_a_verl_omni_recipe_stage_goes_through_the_job_path_up_to_the_jobs_start(ray_jobs, tmp_path, omni_cache):
+def test_a_verl_omni_recipe_stage_goes_through_the_job_path_up_to_the_jobs_start(ray_jobs, tmp_path, omni_cache,
+                                                                               mlflow_db):
     """backend verl_omni on the real Ray head, through the pipeline's rl stage: the stage exports MMK12 in
     the recipe's layout, stages the model, submits the rendered command with its runtime env. The job's
     python is a wrapper around an interpreter without verl_omni (no GPUs here): it prints the argv and env
@@ -171,7 +172,7 @@ def test_a_verl_omni_recipe_stage_goes_through_the_job_path_up_to_the_jobs_start
                        f'exec {real} "$@"\n')
     wrapper.chmod(0o755)
     shared = tmp_path / "shared"
-    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking = mlflow_db(tmp_path / "mlflow.db")
     config = validate_pipeline({
         "name": "vo", "store": str(tmp_path / "store"), "tracking_uri": tracking,
         "ray": {"address": ray_jobs.get_address()},

@@ -199,12 +199,12 @@ def test_example_pipelines_render_the_recipe_and_plan_natively(path, stage, reci
 
 
 @pytest.mark.slow
-def test_the_ocr_example_runs_natively_on_cpu(pipeline_model_env, tmp_path):
+def test_the_ocr_example_runs_natively_on_cpu(pipeline_model_env, tmp_path, mlflow_db):
     from pipeline_runs import run_in_order
 
     overrides = [o for o in native_overrides(OCR) if not o.startswith(("store=", "tracking_uri="))]
     config = load_pipeline(OCR, [*overrides, f"store={tmp_path / 'store'}",
-                                 f"tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", "ray.num_cpus=2"])
+                                 f"tracking_uri={mlflow_db(tmp_path / 'mlflow.db')}", "ray.num_cpus=2"])
     run = run_in_order(config)
     outcome = run.outcomes["flow_grpo"]
     assert outcome.status == "completed" and outcome.outputs["global_step"] == 1

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -156,11 +156,13 @@ def test_deploy_registers_every_deployment_of_prefect_yaml(prefect_server: dict[
 
 
 @pytest.fixture(scope="module")
-def triggered_run(prefect_server: dict[str, str], deployed, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def triggered_run(prefect_server: dict[str, str], deployed, tmp_path_factory: pytest.TempPathFactory,
+                  mlflow_db: Callable[[Path], str]) -> dict:
     """A run of pipeline/local with other parameters than the deployment's, made the way the UI's
     Run button makes it, then executed by a process worker that polls once."""
     folder = tmp_path_factory.mktemp("triggered")
     pipeline_file = tiny_pipeline(folder, "tiny-ingest")
+    mlflow_db(folder / "mlflow.db")
     parameters = {"pipeline_file": str(pipeline_file), "overrides": ["seed=7"]}
     with api_client(prefect_server) as client:
         deployment = client.read_deployment_by_name("pipeline/local")

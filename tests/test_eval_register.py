@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,9 @@ def run(data: dict[str, Any]) -> PipelineRun:
 
 
 @pytest.fixture(scope="module")
-def runs(env: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(env: Path, tmp_path_factory: pytest.TempPathFactory, mlflow_db: Callable[[Path], str]) -> dict[str, Any]:
     workdir = tmp_path_factory.mktemp("eval-register")
+    mlflow_db(workdir / "mlflow.db")
     first = run(pipeline(workdir, seed=0))
     second = run(pipeline(workdir, seed=1))
     third = run(pipeline(workdir, seed=0, margin=1e6))  # nothing beats the champion by 1e6
@@ -248,9 +250,10 @@ def greedy_responses(model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> 
 
 
 def test_eval_of_a_lora_checkpoint_scores_the_base_model_with_the_trained_adapter(
-        env: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        env: Path, tmp_path_factory: pytest.TempPathFactory, mlflow_db: Callable[[Path], str]) -> None:
     """A LoRA checkpoint holds only the adapter: the stage scores its rl stage's base model with it."""
     workdir = tmp_path_factory.mktemp("eval-lora")
+    mlflow_db(workdir / "mlflow.db")
     data = pipeline(workdir, seed=0, samples=100)
     data["stages"][1].update(lora={"rank": 4, "alpha": 8}, trainer={"total_steps": 2, "batch_size": 2, "lr": 0.05})
     data["stages"] = data["stages"][:3]

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -384,14 +384,14 @@ def test_builtin_specs_and_their_base_images() -> None:
 
 # ---- as a pipeline stage --------------------------------------------------------------------------
 
-def test_build_images_stage_records_the_digest_in_mlflow(built: dict, tmp_path: Path) -> None:
+def test_build_images_stage_records_the_digest_in_mlflow(built: dict, tmp_path: Path, mlflow_db: Callable[[Path], str]) -> None:
     from omni_core.config import validate_pipeline
     from omni_core.pipeline import PipelineRun
 
     spec_file = built["spec"].context.parent / "testimg.yaml"
     spec_file.write_text("target: testimg\ndockerfile: ctx/Dockerfile\ncontext: ctx\n")
     config = validate_pipeline({
-        "name": "images-stage", "store": built["store"].root, "tracking_uri": f"sqlite:///{tmp_path / 'm.db'}",
+        "name": "images-stage", "store": built["store"].root, "tracking_uri": mlflow_db(tmp_path / "m.db"),
         "stages": [{"name": "images", "kind": "build_images", "targets": [str(spec_file)], "push": True,
                     "registry": built["registry"]}],
     })

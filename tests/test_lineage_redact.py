@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ def _secret(label: str) -> str:
 
 
 def test_tracker_keeps_secrets_out_of_the_sqlite_store_and_artifacts(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      mlflow_db: Callable[[Path], str]) -> None:
     env_secret = _secret("awsSecret")  # in the environment only: must be found wherever it is embedded
     session = _secret("awsSession")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", env_secret)
@@ -26,7 +28,7 @@ def test_tracker_keeps_secrets_out_of_the_sqlite_store_and_artifacts(tmp_path: P
         _secret(x) for x in ("uriPass", "uriTok", "queryTok", "hfTok", "dictPass"))
     secrets = [env_secret, session, uri_password, uri_token, query_token, hf_token, dict_password]
 
-    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}")
+    tracker = Tracker(mlflow_db(tmp_path / "mlflow" / "mlflow.db"))
     run_id = tracker.start_run("redact", run_name="rl", tags={
         "omni.store": f"s3://minio:{uri_password}@127.0.0.1:9000/bucket/omni",
         "omni.note": f"launched with AWS_SECRET_ACCESS_KEY={env_secret}"})
@@ -104,14 +106,14 @@ def test_redact_text_and_structures(monkeypatch: pytest.MonkeyPatch) -> None:
         "token": None, "secret": 3, "password": "", "auth": {"kind": REDACTED}}
 
 
-def test_registry_versions_keep_secrets_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_registry_versions_keep_secrets_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mlflow_db: Callable[[Path], str]) -> None:
     """The register stage writes the registry through the client directly: its version tags,
     description and source are redacted too."""
     from omni_core.pipeline.stages.register import create_version, ensure_registered_model
 
     env_secret, uri_password = _secret("awsSecret"), _secret("uriPass")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", env_secret)
-    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tracker = Tracker(mlflow_db(tmp_path / "mlflow.db"))
     run_id = tracker.start_run("redact", run_name="eval", tags={})
     ensure_registered_model(tracker.client, "m", f"pipeline-{env_secret}")
     checkpoint = f"s3://minio:{uri_password}@127.0.0.1:9000/bucket/ckpt/global_step_2"

@@ -270,7 +270,7 @@ def test_lineage_cli_tree_of_the_newest_version(served: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
-def local(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def local(tmp_path_factory: pytest.TempPathFactory, mlflow_db: Any) -> dict[str, Any]:
     """Hand-made lineage on SQLite: a pipeline run with rl (+ a cache-hit rl run), eval and register
     runs, a logged model, two versions of model `m` (aliases champion, candidate), a local store."""
     folder = tmp_path_factory.mktemp("lineage-local")
@@ -291,7 +291,7 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "global_step": 2, "uri": store.uri(folder_key), "weights": "model.safetensors",
         "files": [{"path": "model.safetensors", "sha256": sha, "bytes": 7}]})
 
-    tracker = Tracker(f"sqlite:///{folder / 'mlflow.db'}")
+    tracker = Tracker(mlflow_db(folder / "mlflow.db"))
     client = tracker.client
     common = {"omni.pipeline": "p", "omni.config_digest": "cfg1", "omni.git_commit": "abc123"}
     parent = tracker.start_run("p", "p", common)

@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,8 +138,10 @@ def digests(run: Run) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def store_a(prefect_api: Any, reward: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def store_a(prefect_api: Any, reward: Path, tmp_path_factory: pytest.TempPathFactory,
+            mlflow_db: Callable[[Path], str]) -> dict[str, Any]:
     workdir = tmp_path_factory.mktemp("store-a")
+    mlflow_db(workdir / "mlflow.db")
     config = pipeline_config(workdir, reward)
     runs = {"first": run_pipeline(prefect_api, config)}
     runs["second"] = run_pipeline(prefect_api, config)
@@ -174,11 +177,13 @@ def force_rl_without_training(client: Any, config: dict[str, Any]) -> Run:
 
 
 @pytest.fixture(scope="module")
-def store_b(prefect_api: Any, reward: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def store_b(prefect_api: Any, reward: Path, tmp_path_factory: pytest.TempPathFactory,
+            mlflow_db: Callable[[Path], str]) -> dict[str, Any]:
     """A fault in `extra` (a stage with an upstream and a downstream), then a re-run without it."""
     from omni_core.pipeline.stages import _KINDS
 
     workdir = tmp_path_factory.mktemp("store-b")
+    mlflow_db(workdir / "mlflow.db")
     config = pipeline_config(workdir, reward)
     ingest = _KINDS["ingest"]
 
@@ -363,11 +368,11 @@ def test_cli_force_names_a_stage(tmp_path: Path) -> None:
 
 # ---- progress: steps seen from the driver ----------------------------------------------------------
 
-def test_step_watcher_reports_the_steps_a_trainer_logged(tmp_path: Path) -> None:
+def test_step_watcher_reports_the_steps_a_trainer_logged(tmp_path: Path, mlflow_db: Callable[[Path], str]) -> None:
     from omni_core.lineage import Tracker
     from omni_core.pipeline.watch import StepWatcher
 
-    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tracker = Tracker(mlflow_db(tmp_path / "mlflow.db"))
     run_id = tracker.start_run("watch", run_name="rl", tags={})
     seen: list[int] = []
     watcher = StepWatcher(tracker.tracking_uri, run_id, "timing_s/step", seen.append)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,13 +49,17 @@ def run_twice(config_file: str, stage: str, workdir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def dpo(env: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return run_twice("dpo.yaml", "dpo", tmp_path_factory.mktemp("dpo"))
+def dpo(env: Path, tmp_path_factory: pytest.TempPathFactory, mlflow_db: Callable[[Path], str]) -> dict:
+    workdir = tmp_path_factory.mktemp("dpo")
+    mlflow_db(workdir / "mlflow.db")
+    return run_twice("dpo.yaml", "dpo", workdir)
 
 
 @pytest.fixture(scope="module")
-def flow(env: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return run_twice("flow_grpo.yaml", "flow_grpo", tmp_path_factory.mktemp("flow"))
+def flow(env: Path, tmp_path_factory: pytest.TempPathFactory, mlflow_db: Callable[[Path], str]) -> dict:
+    workdir = tmp_path_factory.mktemp("flow")
+    mlflow_db(workdir / "mlflow.db")
+    return run_twice("flow_grpo.yaml", "flow_grpo", workdir)
 
 
 def committed_checkpoint(result: dict, weights: str, algorithm: str) -> Path:

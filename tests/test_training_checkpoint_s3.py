@@ -100,7 +100,8 @@ def _sha(manifest: dict[str, Any], path: str) -> str:
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_checkpoint_upload_cut_half_way_keeps_the_previous_checkpoint_and_the_run_recovers(
-        proxy: TcpProxy, s3_client: Any, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        proxy: TcpProxy, s3_client: Any, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        mlflow_db: Any) -> None:
     from omni_core.lineage import Tracker
     from omni_core.training.checkpoint import LATEST, MANIFEST, load_training_state, stage_prefix
     from omni_core.training.runner import StageRunner
@@ -150,7 +151,7 @@ def test_checkpoint_upload_cut_half_way_keeps_the_previous_checkpoint_and_the_ru
         elif method == "PUT" and DOWN_AFTER in path and "/cut/" in path:
             first_put.append(unquote(path.split("?", 1)[0].split(DOWN_AFTER, 1)[1]))
 
-    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tracker = Tracker(mlflow_db(tmp_path / "mlflow.db"))
     mlflow_run_id = tracker.start_run("checkpoint-s3", run_name="rl", tags={})
     run = _run(stage, f"s3://{s3_bucket}/cut", tracker=tracker, mlflow_run_id=mlflow_run_id)
     root = f"cut/{stage_prefix(run.pipeline, run.run_key, stage.name)}"

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,12 +89,14 @@ def stop(head: subprocess.Popen, temp: str) -> None:
     shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_a_resubmitted_training_is_found_not_run_twice(job_server: Any, tmp_path: Path, capsys: Any) -> None:
+def test_a_resubmitted_training_is_found_not_run_twice(job_server: Any, tmp_path: Path, capsys: Any,
+                                                       mlflow_db: Callable[[Path], str]) -> None:
     address, client = job_server
     store = tmp_path / "store"
     dataset = DatasetConfig(source="fixtures://digits?rows=8&seed=0", converter="digits")
     version = ingest(Store(str(store)), "digits", dataset, progress=lambda _: None).version
     pipeline = tmp_path / "pipeline.yaml"
+    mlflow_db(tmp_path / "mlflow.db")
     pipeline.write_text(yaml.safe_dump({
         "name": "job-test", "store": str(store), "seed": 3, "datasets": {"digits": dataset.model_dump()},
         "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
