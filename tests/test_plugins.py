@@ -41,11 +41,12 @@ class ScaledOptions(AlgorithmOptions):
 
 def build(stage: Any, rows: list, seed: int, **parts: Any) -> Any:
     """GRPO's trainer with this algorithm's clip ratio."""
-    from omni_core.training.algorithms.grpo import PolicyGradientOptions, build_grpo_trainer
+    from omni_core.training.algorithms.grpo import PolicyGradientOptions
+    from omni_core.training.grpo_loop import build_trainer
 
     mark("trainer")
     options = PolicyGradientOptions(name="grpo", clip_ratio_low=stage.algorithm.clip, clip_ratio_high=stage.algorithm.clip)
-    return build_grpo_trainer(stage.model_copy(update={"algorithm": options}), rows, seed, **parts)
+    return build_trainer(stage.model_copy(update={"algorithm": options}), rows, seed, **parts)
 
 
 register_algorithm(Algorithm(

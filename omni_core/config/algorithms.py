@@ -196,8 +196,7 @@ _PAIR_CONVERTERS: Registry[bool] = Registry("preference-pair converter")
 
 
 def register_pair_converter(name: str) -> None:
-    if name not in _PAIR_CONVERTERS:
-        _PAIR_CONVERTERS.add(name, True)
+    _PAIR_CONVERTERS.add(name, True)  # `add`, not a lookup: a lookup would load the plugins from inside one
 
 
 def pair_converters() -> list[str]:

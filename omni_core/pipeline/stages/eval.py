@@ -276,6 +276,7 @@ def log_result(ctx: Any, result: dict[str, Any], metrics: dict[str, float], rows
 def run_eval(ctx: Any) -> dict[str, Any]:
     from omni_core.backends.native import start_ray
     from omni_core.evaluation.job import run_on_ray
+    from omni_core.evaluation.ray_job import is_jobs_api, run_as_ray_job
     from omni_core.training.ray_env import is_local
 
     stage: EvalStage = ctx.stage
@@ -307,9 +308,13 @@ def run_eval(ctx: Any) -> dict[str, Any]:
                  f"{', '.join(f'{k} {v:g}' for k, v in resources.items())}"
                  f"{'; baseline: the starting model too' if stage.baseline else ''})")
     ctx.on_step(0, len(rows))
-    start_ray(ctx.config.ray)
-    result = run_on_ray(job, resources, name=f"omni-eval:{ctx.config.name}:{stage.name}",
-                        local=is_local(ctx.config.ray))
+    name = f"omni-eval:{ctx.config.name}:{stage.name}"
+    if is_jobs_api(ctx.config.ray.address):  # a cluster's Jobs API (as the verl backends use): a Ray Job
+        result = run_as_ray_job(job, resources, name=name, address=ctx.config.ray.address, ray_config=ctx.config.ray,
+                                store_root=ctx.store.root)
+    else:
+        start_ray(ctx.config.ray)
+        result = run_on_ray(job, resources, name=name, local=is_local(ctx.config.ray))
     ctx.on_step(len(rows), len(rows))
     metrics = result["metrics"]
     if "baseline" in result:
