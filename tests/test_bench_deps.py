@@ -15,6 +15,8 @@ OURS = {"omni_core", "flows", "tasks", "bench", "tests"}
 # the tests' own support modules (e.g. tests/postgres.py), which a bench script imports with tests/ on
 # sys.path (bench/scaled_out.py starts the test stack)
 TEST_SUPPORT = {path.stem for path in (ROOT / "tests").glob("*.py")}
+# the benchmarks' own shared modules (e.g. bench/learning_flow.py), imported with bench/ on sys.path
+BENCH_SUPPORT = {path.stem for path in (ROOT / "bench").glob("*.py")}
 
 
 def canonical(name: str) -> str:
@@ -35,7 +37,8 @@ def third_party_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
             names.add(node.module.partition(".")[0])
     return {n for n in names
-            if n not in sys.stdlib_module_names and n not in OURS and n not in TEST_SUPPORT and n != "__future__"}
+            if n not in sys.stdlib_module_names and n not in OURS and n not in TEST_SUPPORT and n not in BENCH_SUPPORT
+            and n != "__future__"}
 
 
 def test_the_bench_extra_covers_every_bench_import() -> None:

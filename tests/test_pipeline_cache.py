@@ -157,7 +157,7 @@ def force_rl_without_training(client: Any, config: dict[str, Any]) -> Run:
     """`force=rl` with the Ray training replaced by a stand-in that notes whether the committed checkpoint
     is still found (a real one would skip training then) and reports the same checkpoint (what training
     again gives: the store B test shows a clean training reproduces the weights). Saves a training."""
-    from omni_core.pipeline.stages import rl
+    import omni_core.training as training
     from omni_core.training import RLStageResult, latest_checkpoint, rl_run_key, stage_prefix
 
     def retrain(**kw: Any) -> RLStageResult:
@@ -170,7 +170,7 @@ def force_rl_without_training(client: Any, config: dict[str, Any]) -> Run:
     found: dict[str, Any] = {}
     previous = json.loads(next((Path(config["store"]) / "runs/cache-test/stages/rl").glob("*.json")).read_text())["outputs"]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rl, "run_rl_stage", retrain)
+        mp.setattr(training, "run_rl_stage", retrain)  # what the native backend calls
         run = run_pipeline(client, config, force=("rl",))
     run.found = found
     return run
@@ -353,8 +353,12 @@ def test_pipeline_file_and_the_ui_form(tmp_path: Path, reward: Path) -> None:
     schema = parameter_schema(pipeline.fn).model_dump()
     assert set(schema["properties"]) == {"pipeline_file", "config", "overrides", "force"}
     definitions = schema["definitions"]
-    assert {"PipelineConfig", "RLStage", "IngestStage"} <= set(definitions)  # the UI renders a form from these
-    assert "stages" in definitions["PipelineConfig"]["properties"]
+    stages = definitions["PipelineConfig"]["properties"]["stages"]["items"]["anyOf"]
+    forms = {form["$ref"].rpartition("/")[2] if "$ref" in form else form["title"]: form for form in stages}
+    # the UI renders a form per stage kind from these, each with its kind's own keys
+    assert {"RLStage", "IngestStage", "EvalStage", "RegisterStage"} <= set(forms)
+    assert "datasets" in forms["IngestStage"]["properties"]
+    assert "algorithm" in definitions["RLStage"]["properties"]
 
 
 def test_cli_force_names_a_stage(tmp_path: Path) -> None:

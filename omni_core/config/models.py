@@ -671,10 +671,16 @@ def _describe_stages(schema: dict[str, Any]) -> None:
     schema["description"] = f"A stage: `name`, `kind` ({', '.join(stage_kinds())}) and the kind's keys."
 
 
-# For forms (the Prefect UI): a stage is `name` and `kind` plus its kind's keys, checked when the pipeline loads.
-_STAGE_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "kind": {"type": "string"}},
-                 "required": ["name", "kind"], "additionalProperties": True, "title": "Stage"}
-Stage = Annotated[SerializeAsAny[StageBase], BeforeValidator(_parse_stage), WithJsonSchema(_STAGE_SCHEMA)]
+class _RegisteredStageSchemas:
+    """For forms (the Prefect UI): a stage is one of the registered kinds' config models, each with its own
+    keys. The kinds are read when the schema is made, so a plugin's stage kind is in the form too."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        models = list(dict.fromkeys(_STAGE_CONFIGS[kind] for kind in stage_kinds()))
+        return {"anyOf": [handler(model.__pydantic_core_schema__) for model in models], "title": "Stage"}
+
+
+Stage = Annotated[SerializeAsAny[StageBase], BeforeValidator(_parse_stage), _RegisteredStageSchemas()]
 for _model in (IngestStage, BuildImagesStage, EvalStage, RegisterStage):
     register_stage_config(_model)
 register_stage_config(RLStage, *TRAINING_KINDS)
