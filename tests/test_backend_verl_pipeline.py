@@ -2,7 +2,8 @@
 ingest the digits task -> `sft` with `backend: {name: verl, device: cpu}` on tiny://lm (verl's SFT
 trainer as a Ray Job) -> `rl` (verl's main_ppo GRPO from the sft checkpoint, `model: {from: sft}`, the
 digits reward, verl's CPU rollout `omni_cpu`) and `gspo` (main_ppo GSPO, to its first mirrored
-checkpoint) -> `eval` of the rl checkpoint -> `register`. Asserts verl's own metrics in our child runs
+checkpoint) -> `eval` of the rl checkpoint (our engine, and `engine: trainer`: verl's own validation as a
+val-only Ray Job) -> `register`. Asserts verl's own metrics in our child runs
 (train/loss; critic/score/mean, actor/pg_loss, actor/ppo_kl and the rollout-vs-actor log-prob
 difference), the mirrored checkpoints with manifests, verl's own Hugging Face weights committed as our
 checkpoints, and the registered version's lineage down to the raw files.
@@ -112,6 +113,8 @@ def uninterrupted(ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  # noqa: 
             rl_stage(shared, name="gspo", algorithm=GSPO, steps=1),
             {"name": "eval", "kind": "eval", "after": ["rl"], "checkpoint_from": "rl", "data": "digits:test",
              "max_new_tokens": 8, "max_rows": 4, "samples": 2},
+            {"name": "eval_verl", "kind": "eval", "after": ["rl"], "checkpoint_from": "rl", "data": "digits:test",
+             "engine": "trainer", "max_new_tokens": 8, "max_rows": 4, "samples": 2},
             {"name": "register", "kind": "register", "after": ["eval"], "model_name": "verl-e2e-rl"},
         ]})
     lines: list[str] = []
@@ -186,6 +189,26 @@ def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs
 
     evaluated = run.outcomes["eval"].outputs
     assert evaluated["weights_sha256"] == rl_out["weights_sha256"] and "val/reward_mean" in evaluated["metrics"]
+
+    # ---- eval_verl (engine: trainer): verl's own validation of the rl checkpoint, a val-only Ray Job that
+    # logs into the eval stage's run; its reward mean is ours
+    by_verl = run.outcomes["eval_verl"]
+    verl_metrics = by_verl.outputs["metrics"]
+    assert by_verl.outputs["kind"] == "trainer" and by_verl.outputs["weights_sha256"] == rl_out["weights_sha256"]
+    # digits_score returns `acc` too, so acc is verl's core var and the reward's score is in val-aux
+    assert {"val-core/digits/acc/mean_at_1", "val-aux/digits/reward/mean_at_1"} <= set(verl_metrics), verl_metrics
+    assert verl_metrics["val/reward_mean"] == verl_metrics["val-aux/digits/reward/mean_at_1"]
+    val_tags = client.get_run(by_verl.mlflow_run_id).data.tags
+    val_command = val_tags["omni.verl.command"]
+    assert "-m verl.trainer.main_ppo" in val_command and "trainer.val_only=true" in val_command
+    assert "data.val_max_samples=4" in val_command and "actor_rollout_ref.rollout.name=omni_cpu" in val_command
+    assert "trainer.val_before_train=false" not in val_command  # the stage's own override, replaced
+    assert val_tags["omni.eval.job_id"] == val_tags["omni.verl.submission_id"]
+    logged = client.get_run(by_verl.mlflow_run_id).data.metrics
+    assert logged["val-core/digits/acc/mean_at_1"] == verl_metrics["val-core/digits/acc/mean_at_1"]
+    assert not client.get_metric_history(by_verl.mlflow_run_id, "actor/pg_loss")  # validated, did not train
+    print(f"the rl checkpoint on 4 test rows, greedy, 8 new tokens: val/reward_mean {verl_metrics['val/reward_mean']:.3f} "
+          f"by verl's validation, {evaluated['metrics']['val/reward_mean']:.3f} by our engine")
 
     from flows.cli import app
 

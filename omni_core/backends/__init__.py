@@ -58,6 +58,19 @@ class TrainingRun:
         return self.ctx.progress
 
 
+@dataclass(frozen=True)
+class CheckpointValidation:
+    """A trained checkpoint scored by its trainer's own validation (an eval stage with `engine: trainer`):
+    the eval stage's context, the trained stage (`model: {from:}` resolved) and its outputs, the split."""
+
+    ctx: Any  # the eval stage's StageContext (its MLflow run receives the trainer's val metrics)
+    trained: Any  # the RLStage
+    outputs: dict[str, Any]  # the trained stage's outputs: checkpoint_uri, run_key, global_step
+    dataset: str
+    split: str
+    version: Any  # the DatasetVersion
+
+
 @runtime_checkable
 class Backend(Protocol):
     """A training backend. `check` and `plan` read the config only (no cluster, no store writes)."""
@@ -80,3 +93,15 @@ class Backend(Protocol):
 
     def retries(self, stage: Any) -> tuple[int, list[float]] | None:
         """How an orchestrator retries a failed try of the stage, or None for the stage kind's default."""
+
+    def validation_problem(self, eval_stage: Any, trained: Any) -> str | None:
+        """Why `eval_stage` (`engine: trainer`) cannot score `trained`'s checkpoint with the trainer's own
+        validation, as `stages.NAME.key: message`, or None."""
+
+    def plan_validation(self, eval_stage: Any, trained: Any, config: Any) -> dict[str, Any]:
+        """The plan entry of an `engine: trainer` eval of `trained`: `does`, and the job it submits."""
+
+    def validate(self, validation: CheckpointValidation) -> dict[str, Any]:
+        """Score the checkpoint with the trainer's validation: `metrics` (verl's `val-core/...` names as
+        MLflow spells them, plus `val/reward_mean`), `logged` (the metric names the job already logged on
+        the eval's run) and `where` (e.g. `job_id`)."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from omni_core.backends import PlannedTraining, TrainingRun
 from omni_core.config.backends import DEFAULT_BACKEND, BackendRecord, register_backend
+from omni_core.errors import ConfigError
 
 STEP_METRIC = "timing_s/step"  # every algorithm logs it once per step
 
@@ -86,6 +87,16 @@ class NativeBackend:
 
     def retries(self, stage: Any) -> tuple[int, list[float]] | None:
         return None  # it restarts its own actors `max_failures` times inside one try: the kind's retries apply
+
+    def validation_problem(self, eval_stage: Any, trained: Any) -> str | None:
+        return (f"stages.{eval_stage.name}.engine: trainer: stage '{trained.name}' trains with backend native, "
+                "whose validation is our eval itself; use engine: native")
+
+    def plan_validation(self, eval_stage: Any, trained: Any, config: Any) -> dict[str, Any]:
+        raise ConfigError(self.validation_problem(eval_stage, trained) or "")
+
+    def validate(self, validation: Any) -> dict[str, Any]:
+        raise ConfigError(self.validation_problem(validation.ctx.stage, validation.trained) or "")
 
 
 BACKEND = NativeBackend()

@@ -502,8 +502,9 @@ class EvalStage(StageBase):
     reward: RewardConfig | None = Field(None, description="Default: each row's data_source picks its reward (a "
                                                           "diffusion checkpoint: its stage's reward); else a "
                                                           "registered name or path.py:function.")
-    engine: Literal["native"] = Field("native", description="The generator: native (our rollout engines, "
-                                                            "request-level batches of batch_size).")
+    engine: Literal["native", "trainer"] = Field(
+        "native", description="The generator: native (our rollout engines, request-level batches of batch_size); "
+                              "trainer (a verl stage's own validation, trainer.val_only=True, as a Ray Job).")
     resources: dict[str, Annotated[float, Field(ge=0)]] | None = Field(
         None, description="Ray resources of the eval task, e.g. {CPU: 1, GPU: 1} (NPU or a custom resource by "
                           "name); default {CPU: 1}.")
@@ -561,6 +562,8 @@ class EvalStage(StageBase):
                     f"{source.algorithm.name}: use a prompt dataset (e.g. gsm8k:test), or score a dpo/mpo stage")
         if pairs and source.backend != "native":
             return f"{where}.data: preference pairs are scored for native stages; '{source.name}' runs on {source.backend.name}"
+        if self.engine == "trainer":
+            return backend_of(source).validation_problem(self, source)
         return None
 
 

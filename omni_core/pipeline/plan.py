@@ -31,6 +31,8 @@ def plan_pipeline(config: PipelineConfig, store: Store | None = None) -> list[di
         entry: dict[str, Any] = {"name": stage.name, "kind": stage.kind, "after": list(stage.after)}
         if isinstance(stage, RLStage):
             entry.update(_training(config, stage, store, ingested))
+        elif stage.kind == "eval" and stage.engine == "trainer":
+            entry.update(_trainer_validation(config, stage))
         else:
             entry["does"] = _other(config, stage)
         out.append(entry)
@@ -48,6 +50,14 @@ def _other(config: PipelineConfig, stage: Any) -> str:
     if stage.kind == "register":
         return f"registers the evaluated checkpoint as a version of {stage.model_name} ({stage.metric} decides champion)"
     return f"runs stage kind {stage.kind}"
+
+
+def _trainer_validation(config: PipelineConfig, stage: Any) -> dict[str, Any]:
+    """An `engine: trainer` eval: the val-only job its trained stage's backend submits."""
+    from omni_core.config.models import TRAINING_KINDS, upstream_stage
+
+    trained = config.stage(upstream_stage(config, stage.name, "checkpoint_from", stage.checkpoint_from, TRAINING_KINDS))
+    return backend_of(trained).plan_validation(stage, trained, config)
 
 
 def _training(config: PipelineConfig, stage: RLStage, store: Store, ingested: set[str]) -> dict[str, Any]:
@@ -90,5 +100,6 @@ def format_plan(entries: list[dict[str, Any]]) -> str:
             lines.append(f"  stages model: {model['from']} -> {model['to']}")
             if e.get("substituted"):
                 lines.append(f"  substituted in the recipe's overrides: {'; '.join(e['substituted'])}")
-            lines.append(f"  checkpoints: {e['checkpoints']}/global_step_N (mirrored to the store)")
+            if "checkpoints" in e:
+                lines.append(f"  checkpoints: {e['checkpoints']}/global_step_N (mirrored to the store)")
     return "\n".join(lines)

@@ -8,7 +8,8 @@ by the cluster's verl when the job starts). VeRL-Omni recipes compose VeRL-Omni'
 whose package needs vLLM-Omni (GPU-only): their stages are skipped, naming that.
 
 The stages' commands are rendered with placeholders for what is not known yet (the dataset's files,
-the staged model, the run key): composition and verl's `validate_config` read none of these files
+the staged model, the run key): an eval stage with `engine: trainer` on a verl stage is its val-only
+command (omni_core.backends.verl.validation). Composition and verl's `validate_config` read none of these files
 (sft_trainer's model section, which loads the model's config, is not converted here).
 """
 
@@ -64,6 +65,19 @@ def _placeholder_command(stage: Any, pipeline: str, seed: int):
     return command(stage, pipeline=pipeline, run_key="RUN_KEY", model="MODEL", train_files=[str(data)], seed=seed)
 
 
+def _validation_command(config: Any, eval_stage: Any) -> tuple[Any, Any] | None:
+    """(the trained verl stage, the val-only command) of an `engine: trainer` eval, or None (not verl)."""
+    from omni_core.backends.verl.options import VerlBackend
+    from omni_core.backends.verl.validation import placeholder_command
+    from omni_core.config.models import TRAINING_KINDS, upstream_stage
+
+    trained = config.stage(upstream_stage(config, eval_stage.name, "checkpoint_from", eval_stage.checkpoint_from,
+                                          TRAINING_KINDS))
+    if not isinstance(trained.backend, VerlBackend):
+        return None
+    return trained, placeholder_command(eval_stage, trained, config.name, config.seed)
+
+
 def check_pipeline(config: Any) -> list[HydraCheck]:
     """One HydraCheck per verl / VeRL-Omni stage of `config` (one interpreter start per interpreter)."""
     from omni_core.backends.verl.options import VerlBackend
@@ -72,6 +86,17 @@ def check_pipeline(config: Any) -> list[HydraCheck]:
     pending: dict[str, list[tuple[str, Any]]] = {}
     origins: dict[str, str] = {}
     for stage in config.stages:
+        if getattr(stage, "engine", None) == "trainer":  # an eval by a verl stage's own validation
+            command = _validation_command(config, stage)
+            if command is None:
+                continue
+            python, origin = verl_interpreter(command[0].backend.python)
+            if python is None:
+                results.append(HydraCheck(stage.name, "skipped", origin))
+                continue
+            origins[python] = origin
+            pending.setdefault(python, []).append((stage.name, command[1]))
+            continue
         backend = getattr(stage, "backend", "native")
         if backend == "native":
             continue

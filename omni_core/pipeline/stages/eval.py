@@ -43,6 +43,7 @@ from omni_core.storage import file_sha256
 
 SAMPLES_TABLE = "eval_samples.json"
 GRID_IMAGE = "eval_grid.png"
+TRAINER = "trainer"  # the kind of an `engine: trainer` eval: the trained stage's own validation
 SAMPLE_COLUMNS = ("data_source", "prompt", "response", "ground_truth", "score")
 _NOT_IN_MLFLOW_NAMES = re.compile(r"[^/\w.\- :]")
 
@@ -242,12 +243,13 @@ def log_result(ctx: Any, result: dict[str, Any], metrics: dict[str, float], rows
     stage: EvalStage = ctx.stage
     model_id = trained.get("model_id")
     now = int(time.time() * 1000)
+    logged = set(result.get("logged", ()))  # a trainer's validation logged these on this run itself
     ctx.tracker.client.log_batch(ctx.mlflow_run_id, metrics=[
         Metric(mlflow_metric_name(name), value, now, trained["global_step"], model_id=model_id, dataset_name=dv.name,
-               dataset_digest=dv.version) for name, value in sorted(metrics.items())])
+               dataset_digest=dv.version) for name, value in sorted(metrics.items()) if name not in logged])
     report: dict[str, Any] = {"metrics": metrics, "rows": len(rows), "kind": kind, "where": result["where"],
                               "timings": result["timings"]}
-    if stage.samples:
+    if stage.samples and result.get("records"):
         ctx.tracker.client.log_table(ctx.mlflow_run_id, data=samples_table(kind, rows, result, stage.samples),
                                      artifact_file=SAMPLES_TABLE)
         report["samples_table"] = SAMPLES_TABLE
@@ -289,18 +291,31 @@ def run_eval(ctx: Any) -> dict[str, Any]:
     check_rows(rows, MediaLimits.of(ctx.config.datasets.get(key)), f"stages.{stage.name}: {key}@{dv.version}:{split}")
     model_id = trained.get("model_id")
     training = ctx.tracker.client.get_logged_model(model_id).source_run_id if model_id else source.mlflow_run_id
-    job = build_job(ctx, source, rows)
+    by_trainer = stage.engine == "trainer"
+    job = None if by_trainer else build_job(ctx, source, rows)
+    kind = TRAINER if job is None else job.kind
     log_dataset_version(ctx.tracker, ctx.mlflow_run_id, dv, context="eval")
     ctx.tracker.log_params(ctx.mlflow_run_id, {
         "checkpoint_from": source.name, "checkpoint_uri": trained["checkpoint_uri"], "seed": ctx.config.seed,
         "dataset": f"{key}@{dv.version}:{split}", "rows": len(rows), "n": stage.n, "greedy": stage.greedy,
-        "max_new_tokens": stage.max_new_tokens, "kind": job.kind, "engine": stage.engine,
-        "baseline": stage.baseline, **{f"sampler.{k}": v for k, v in job.sampler.items() if k != "options"},
-        "reward": job.reward or "by data_source"})
+        "max_new_tokens": stage.max_new_tokens, "kind": kind, "engine": stage.engine,
+        "baseline": stage.baseline,
+        **({} if job is None else {f"sampler.{k}": v for k, v in job.sampler.items() if k != "options"}),
+        "reward": (job.reward if job is not None else None) or "by data_source"})
     ctx.tracker.set_tags(ctx.mlflow_run_id, {
         "omni.model_id": model_id or "", "omni.checkpoint_uri": trained["checkpoint_uri"],
         "omni.checkpoint_sha256": trained["weights_sha256"], "omni.run_key": trained["run_key"],
         "omni.training_run_id": training or "", "omni.eval_run_id": ctx.mlflow_run_id})
+
+    if by_trainer:  # the trained stage's own validation, as its backend runs it (a Ray Job)
+        from omni_core.backends import CheckpointValidation
+        from omni_core.config.backends import backend_of
+
+        rl = trained_stage(ctx, source)
+        ctx.on_step(0, len(rows))
+        result = backend_of(rl).validate(CheckpointValidation(ctx, rl, trained, key, split, dv))
+        ctx.on_step(len(rows), len(rows))
+        return eval_outputs(ctx, result, result["metrics"], rows, kind, trained, dv, model_id, training, key, split)
 
     resources = stage.task_resources()
     ctx.progress(f"stage {stage.name}: scoring {trained['checkpoint_uri']} (step {trained['global_step']}) "
@@ -319,9 +334,15 @@ def run_eval(ctx: Any) -> dict[str, Any]:
     metrics = result["metrics"]
     if "baseline" in result:
         metrics = with_baseline(metrics, result["baseline"]["metrics"])
-    ctx.report["eval"] = log_result(ctx, result, metrics, rows, job.kind, trained, dv)
+    return eval_outputs(ctx, result, metrics, rows, job.kind, trained, dv, model_id, training, key, split)
+
+
+def eval_outputs(ctx: Any, result: dict[str, Any], metrics: dict[str, float], rows: list[dict[str, Any]], kind: str,
+                 trained: dict[str, Any], dv: Any, model_id: str | None, training: str | None, key: str,
+                 split: str) -> dict[str, Any]:
+    ctx.report["eval"] = log_result(ctx, result, metrics, rows, kind, trained, dv)
     return {"model_id": model_id, "checkpoint_uri": trained["checkpoint_uri"],
             "weights_sha256": trained["weights_sha256"], "global_step": trained["global_step"],
             "run_key": trained["run_key"], "metrics": metrics, "dataset_version": dv.version,
             "dataset": f"{key}:{split}", "eval_run_id": ctx.mlflow_run_id, "training_run_id": training,
-            "kind": job.kind}
+            "kind": kind}
