@@ -196,8 +196,8 @@ def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs
     verl_metrics = by_verl.outputs["metrics"]
     assert by_verl.outputs["kind"] == "trainer" and by_verl.outputs["weights_sha256"] == rl_out["weights_sha256"]
     # digits_score returns `acc` too, so acc is verl's core var and the reward's score is in val-aux
-    assert {"val-core/digits/acc/mean_at_1", "val-aux/digits/reward/mean_at_1"} <= set(verl_metrics), verl_metrics
-    assert verl_metrics["val/reward_mean"] == verl_metrics["val-aux/digits/reward/mean_at_1"]
+    assert {"val-core/digits_rotate/acc/mean_at_1", "val-aux/digits_rotate/reward/mean_at_1"} <= set(verl_metrics), verl_metrics
+    assert verl_metrics["val/reward_mean"] == verl_metrics["val-aux/digits_rotate/reward/mean_at_1"]
     val_tags = client.get_run(by_verl.mlflow_run_id).data.tags
     val_command = val_tags["omni.verl.command"]
     assert "-m verl.trainer.main_ppo" in val_command and "trainer.val_only=true" in val_command
@@ -205,7 +205,7 @@ def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs
     assert "trainer.val_before_train=false" not in val_command  # the stage's own override, replaced
     assert val_tags["omni.eval.job_id"] == val_tags["omni.verl.submission_id"]
     logged = client.get_run(by_verl.mlflow_run_id).data.metrics
-    assert logged["val-core/digits/acc/mean_at_1"] == verl_metrics["val-core/digits/acc/mean_at_1"]
+    assert logged["val-core/digits_rotate/acc/mean_at_1"] == verl_metrics["val-core/digits_rotate/acc/mean_at_1"]
     assert not client.get_metric_history(by_verl.mlflow_run_id, "actor/pg_loss")  # validated, did not train
     print(f"the rl checkpoint on 4 test rows, greedy, 8 new tokens: val/reward_mean {verl_metrics['val/reward_mean']:.3f} "
           f"by verl's validation, {evaluated['metrics']['val/reward_mean']:.3f} by our engine")

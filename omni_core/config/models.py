@@ -32,6 +32,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from omni_core.config.algorithms import (
     ALL,
     DIFFUSION_MODEL,
+    LANGUAGE_MODEL,
     PAIRS,
     SUPERVISED,
     AlgorithmOptions,
@@ -502,9 +503,11 @@ class EvalStage(StageBase):
     reward: RewardConfig | None = Field(None, description="Default: each row's data_source picks its reward (a "
                                                           "diffusion checkpoint: its stage's reward); else a "
                                                           "registered name or path.py:function.")
-    engine: Literal["native", "trainer"] = Field(
+    engine: Literal["native", "vllm_omni", "trainer"] = Field(
         "native", description="The generator: native (our rollout engines, request-level batches of batch_size); "
-                              "trainer (a verl stage's own validation, trainer.val_only=True, as a Ray Job).")
+                              "vllm_omni (vLLM-Omni's AsyncOmni in the Ray task: GPU images, language models, "
+                              "text prompts); trainer (a verl stage's own validation, trainer.val_only=True, as "
+                              "a Ray Job).")
     resources: dict[str, Annotated[float, Field(ge=0)]] | None = Field(
         None, description="Ray resources of the eval task, e.g. {CPU: 1, GPU: 1} (NPU or a custom resource by "
                           "name); default {CPU: 1}.")
@@ -564,6 +567,12 @@ class EvalStage(StageBase):
             return f"{where}.data: preference pairs are scored for native stages; '{source.name}' runs on {source.backend.name}"
         if self.engine == "trainer":
             return backend_of(source).validation_problem(self, source)
+        if self.engine == "vllm_omni":
+            if pairs or source.record.model_kind != LANGUAGE_MODEL:
+                return (f"{where}.engine: vllm_omni scores a language model's responses here; '{source.name}' "
+                        f"trains {'preference pairs' if pairs else source.record.model_kind}: use engine: native")
+            if self.baseline:
+                return f"{where}.baseline: scored by engine native only; remove it or use engine: native"
         return None
 
 

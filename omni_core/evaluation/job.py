@@ -60,6 +60,14 @@ class ModelSpec:
                                   f"LoRA {self.lora} ({len(unexpected)} unexpected keys, e.g. {unexpected[0]})")
         return model.eval(), text_io
 
+    def load_text_io(self) -> Any:
+        """The model's tokenizer alone (an engine that loads the weights itself, vLLM, needs only it)."""
+        from transformers import AutoTokenizer
+
+        from omni_core.models.factory import model_source
+
+        return AutoTokenizer.from_pretrained(model_source(self.uri, self.seed))
+
 
 @dataclass
 class EvalJob:
@@ -153,7 +161,10 @@ def run_eval_job(job: EvalJob) -> dict[str, Any]:
     started = time.perf_counter()
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    model, text_io = job.candidate.load(job.store)
+    if job.kind == TEXT and job.settings.get("engine") == "vllm_omni":  # vLLM loads the weights itself
+        model, text_io = None, job.candidate.load_text_io()
+    else:
+        model, text_io = job.candidate.load(job.store)
     reference = job.reference.load(job.store)[0] if job.reference is not None else None
     timings["load_s"] = time.perf_counter() - t
     t = time.perf_counter()

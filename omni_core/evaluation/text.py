@@ -6,12 +6,19 @@ scheduler thread stays idle), so a run's numbers never depend on timing: each fo
 the same on every run. Response j of row i is drawn with `rollout_seed(seed, 0, i, j)`: a response
 depends on its row, the seed and the weights only, so a candidate and its baseline are compared on the
 same random numbers. Greedy is argmax, as in HF `generate`.
+
+With `engine: vllm_omni` the responses come from vLLM-Omni's AsyncOmni instead (GPU images: the `gpu`
+extra): the checkpoint folder is its model (a LoRA checkpoint: its base, with the adapter pushed as a
+LoRA request), the same requests and seeds (vLLM's own sampler: sampled draws differ from ours, greedy
+is argmax in both); the model's weights are never loaded into torch here. Text prompts only (vLLM-Omni
+takes raw media, our rows' media go through the processor).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from omni_core.errors import ConfigError
 from omni_core.evaluation.job import EvalJob
 
 
@@ -46,11 +53,49 @@ def generate_responses(model: Any, text_io: Any, rows: list[dict[str, Any]], set
     return texts
 
 
+VLLM_OMNI = "vllm_omni"
+
+
+def vllm_omni_responses(job: EvalJob, text_io: Any, api: Any = None) -> list[str]:
+    """The `n` responses of each row from vLLM-Omni (module docstring), in the order of `generate_responses`.
+    `api` replaces the vLLM-Omni classes (tests)."""
+    from omni_core.models.factory import model_source
+    from omni_core.rollout.engine import EngineConfig
+    from omni_core.rollout.vllm_omni import VllmOmniEngine
+    from omni_core.training.components import encode_prompt_inputs, rollout_requests, rollout_seed
+
+    settings, spec = job.settings, job.candidate
+    n, size = settings["n"], settings["batch_size"]
+    engine = VllmOmniEngine(str(model_source(spec.uri, spec.seed)), EngineConfig(max_num_seqs=size * n),
+                            output_mode="ar", lora=spec.lora if spec.adapter_key else None, api=api)
+    texts: list[str] = []
+    try:
+        if spec.adapter_key:
+            from safetensors.torch import load as load_safetensors
+
+            engine.update_weights(load_safetensors(job.store.read_bytes(spec.adapter_key)), 1)
+        for start in range(0, len(job.rows), size):
+            chunk = job.rows[start:start + size]
+            prompts, media = encode_prompt_inputs(text_io, chunk, settings["max_prompt_tokens"])
+            if media is not None and any(media):
+                raise ConfigError("eval engine vllm_omni: these rows carry images or audio, which vLLM-Omni takes "
+                                  "raw; score them with engine: native")
+            seeds = [rollout_seed(job.seed, 0, start + i, j) for i in range(len(chunk)) for j in range(n)]
+            requests = rollout_requests(prompts, n=n, sampling=sampling_of(settings), seeds=seeds)
+            texts += [r.text or "" for r in engine.generate(requests)]
+    finally:
+        engine.close()
+    return texts
+
+
 def score_text(job: EvalJob, model: Any, text_io: Any) -> dict[str, Any]:
     from omni_core.training.components import score_rollouts, val_metrics
 
     n = job.settings["n"]
-    texts = generate_responses(model, text_io, job.rows, job.settings, job.seed)
+    if job.settings.get("engine") == VLLM_OMNI:
+        texts = vllm_omni_responses(job, text_io)
+    else:
+        texts = generate_responses(model, text_io, job.rows, job.settings, job.seed)
     scores = [float(s["score"]) for s in score_rollouts(job.rows, texts, job.reward, n)]
     records = [{"row": i // n, "response": text, "score": score}
                for i, (text, score) in enumerate(zip(texts, scores, strict=True))]

@@ -69,6 +69,12 @@ def model_architecture(uri: str, *, seed: int = 0) -> str:
     return _architecture(source, uri, local_only)
 
 
+def model_source(uri: str, seed: int = 0) -> str | Path:
+    """What an engine that loads the model itself (vLLM) takes: the local folder of `uri` (a `tiny://` build,
+    an `s3://` prefix downloaded once) or its hub id."""
+    return _resolve_source(uri, seed)[0]
+
+
 def _resolve_source(uri: str, seed: int) -> tuple[str | Path, bool]:
     """(a local directory or a hub id, whether it is local)."""
     if not isinstance(uri, str) or not uri:
