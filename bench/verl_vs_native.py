@@ -10,7 +10,8 @@ PPO epoch over one mini batch, lr, batch size, seed.
 
 Reported: the rl stage's median step time of each (MLflow `timing_s/step`, both log verl's name) and
 their ratio (target: native >= 2x verl's speed), the per-step `critic/score/mean` of both on one PNG
-(bench/out/verl_vs_native.png), and the final eval rewards (`val/reward_mean`).
+(bench/out/verl_vs_native.png), and the final eval rewards (`val/reward_mean`) with each one's gain over
+its sft checkpoint (the eval's `baseline: true`: did GRPO help).
 
     python bench/verl_vs_native.py [--quick] [--json] [--sft-steps N] [--rl-steps N]
 
@@ -64,7 +65,7 @@ def pipeline(backend: str, work: Path, ray_address: str, sft_steps: int, rl_step
                                       "ppo_mini_batch_size": 8, "max_prompt_tokens": 64}},
                          ["trainer.val_before_train=false"]),
             {"name": "eval", "kind": "eval", "after": ["rl"], "checkpoint_from": "rl", "data": "digits:test",
-             "max_rows": 32, "max_new_tokens": 8, "samples": 4},
+             "max_rows": 32, "max_new_tokens": 8, "samples": 4, "baseline": True},  # baseline: the sft checkpoint
         ]}
 
 
@@ -88,7 +89,8 @@ def run_one(backend: str, work: Path, ray_address: str, sft_steps: int, rl_steps
     step_times = history("timing_s/step")
     return {"step_s_median": statistics.median(step_times[1:] or step_times), "step_s": step_times,
             "score_mean": history("critic/score/mean"),
-            "eval_reward": run.outcomes["eval"].outputs["metrics"]["val/reward_mean"], "pipeline_s": wall}
+            "eval_reward": run.outcomes["eval"].outputs["metrics"]["val/reward_mean"],
+            "eval_gain_over_sft": run.outcomes["eval"].outputs["metrics"]["val/reward_mean_gain"], "pipeline_s": wall}
 
 
 def plot(native: dict, verl: dict, path: Path) -> None:
@@ -139,6 +141,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "native_score_mean": [round(v, 4) for v in native["score_mean"]],
               "verl_score_mean": [round(v, 4) for v in verl["score_mean"]],
               "native_eval_reward": round(native["eval_reward"], 4), "verl_eval_reward": round(verl["eval_reward"], 4),
+              "native_eval_gain_over_sft": round(native["eval_gain_over_sft"], 4),
+              "verl_eval_gain_over_sft": round(verl["eval_gain_over_sft"], 4),
               "native_pipeline_s": round(native["pipeline_s"], 1), "verl_pipeline_s": round(verl["pipeline_s"], 1),
               "png": str(png.relative_to(ROOT))}
     if not args.json:

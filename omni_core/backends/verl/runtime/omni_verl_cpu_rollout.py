@@ -22,13 +22,19 @@ base.py, vllm_rollout/):
   (verl's "naive" sync: engine_workers.ActorRolloutRefWorker.update_weights) and sends them to its
   replica's server, which copies them in place. `resume` / `release` have nothing to free on CPU.
 
-Determinism (seeded runs give identical weights, also across a resume):
-- Requests are generated one at a time, each with its own `torch.Generator` seeded from (the rollout
-  seed, the weights' version, the prompt, the sampling parameters, k), k counting identical requests
-  since the last weight update. The n samples of a prompt are then the same multiset whatever order
-  verl's concurrent agent loops send them in. Not batched: batching several requests in one forward
-  makes each one's logits depend on which requests arrived together (a timing accident), so neither
-  the samples nor the log-probs would be reproducible.
+Batching and determinism (seeded runs give identical weights, also across a resume):
+- A GRPO step sends its n samples of a prompt as n identical requests (verl's agent loop fires every
+  prompt's n sessions at once). They are generated together, one forward for the n rows a token (a group:
+  the first `min(n, max_num_seqs)` identical requests to arrive; n is `rollout.n`, or `val_kwargs.n` for
+  validation's sampling). Only identical requests share a forward, so no row's logits depend on which
+  other prompts happened to arrive alongside (a timing accident): the batch's composition, hence every
+  sample and log-prob, is the same on every run. A group that does not fill within `GROUP_WAIT_S` (a
+  per-sample `__rollout_n__`, an abort) runs with what came, saying so; requests whose sampling matches
+  neither the training's nor the validation's (or both, with different n) run one at a time.
+- Row k of a group draws with its own `torch.Generator` seeded from (the rollout seed, the weights'
+  version, the prompt, the sampling parameters, k), k counting identical requests since the last weight
+  update. The n samples of a prompt are then the same multiset whatever order verl's agent loops send
+  them in.
 - verl's sync replay buffer lists a batch's samples in the order the agent loops finished
   (trainer/ppo/v1/replay_buffer.py, keyed by uuid4s), and the same samples summed in another order
   give other weights through Adam. `_deterministic_batch_order` sorts them by the prompt's
@@ -54,6 +60,7 @@ from verl.workers.rollout.base import _ROLLOUT_REGISTRY, BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
 NAME = "omni_cpu"
+GROUP_WAIT_S = 10.0  # how long the first of a group waits for the rest before it runs with what came
 
 
 def server_name(replica_rank: int) -> str:
@@ -84,7 +91,8 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
 
 
 class CPURolloutServer:
-    """One replica's model (a Ray actor): generates one request at a time, weights pushed by the adapter."""
+    """One replica's model (a Ray actor): generates a group of identical requests at a time (module
+    docstring), weights pushed by the adapter."""
 
     def __init__(self, config, model_config, replica_rank: int):
         from transformers import AutoModelForCausalLM
@@ -100,8 +108,9 @@ class CPURolloutServer:
         self.eos = set(eos if isinstance(eos, list) else [eos])
         self.replica_rank = replica_rank
         self.global_steps: int | None = None
-        self.lock = asyncio.Lock()
+        self.lock = asyncio.Lock()  # one generation (or weight update) at a time
         self.seen: dict[str, int] = {}  # identical requests since the last weight update
+        self.waiting: dict[str, list[asyncio.Future]] = {}  # a group's requests that arrived so far
 
     async def update_weights(self, state: dict[str, torch.Tensor]) -> int:
         async with self.lock:
@@ -133,33 +142,84 @@ class CPURolloutServer:
         budget = max(1, int(budget))
         if float(params.get("repetition_penalty", 1.0)) != 1.0:
             raise ValueError(f"{NAME} rollout: repetition_penalty is not supported")
-        async with self.lock:
-            key = json.dumps([prompt_ids, sorted(params.items()), budget])
-            k = self.seen.get(key, 0)
-            self.seen[key] = k + 1
-            seed = request_seed(getattr(self.config, "seed", 0), self.global_steps, prompt_ids, params, k)
-            tokens, log_probs = await asyncio.to_thread(self._generate, prompt_ids, params, budget, seed)
+        key = json.dumps([prompt_ids, sorted(params.items()), budget])
+        mine = asyncio.get_running_loop().create_future()
+        members = self.waiting.setdefault(key, [])
+        members.append(mine)
+        if len(members) >= self.group_size(params):
+            del self.waiting[key]
+            await self._run_group(key, members, prompt_ids, params, budget)
+        else:
+            try:
+                await asyncio.wait_for(asyncio.shield(mine), GROUP_WAIT_S)
+            except TimeoutError:
+                if self.waiting.get(key) and mine in self.waiting[key]:  # still unfilled: run what came
+                    members = self.waiting.pop(key)
+                    print(f"{NAME} rollout: a group of {len(members)} identical requests (not "
+                          f"{self.group_size(params)}) ran after {GROUP_WAIT_S} s", flush=True)
+                    await self._run_group(key, members, prompt_ids, params, budget)
+        tokens, log_probs = await mine
         return TokenOutput(token_ids=tokens, log_probs=log_probs if params.get("logprobs") else None,
                            stop_reason="completed", extra_fields={"global_steps": self.global_steps})
 
-    def _generate(self, prompt_ids: list[int], params: dict, budget: int, seed: int) -> tuple[list[int], list[float]]:
+    def group_size(self, params: dict) -> int:
+        """How many identical requests are generated together (module docstring)."""
+        cfg = self.config
+        sampling = (float(params.get("temperature", 1.0)), float(params.get("top_p", 1.0)),
+                    int(params.get("top_k", -1) or -1))
+        train = sampling == (float(cfg.temperature), float(cfg.top_p), int(cfg.top_k or -1))
+        val = sampling == (float(cfg.val_kwargs.temperature), float(cfg.val_kwargs.top_p),
+                           int(cfg.val_kwargs.top_k or -1))
+        if train and val:
+            n = cfg.n if cfg.n == cfg.val_kwargs.n else 1
+        else:
+            n = cfg.n if train else cfg.val_kwargs.n if val else 1
+        return max(1, min(int(n), int(getattr(cfg, "max_num_seqs", n) or n)))
+
+    async def _run_group(self, key: str, members: list[asyncio.Future], prompt_ids: list[int], params: dict,
+                         budget: int) -> None:
+        try:
+            async with self.lock:
+                k = self.seen.get(key, 0)
+                self.seen[key] = k + len(members)
+                base = getattr(self.config, "seed", 0)
+                seeds = [request_seed(base, self.global_steps, prompt_ids, params, k + i) for i in range(len(members))]
+                rows = await asyncio.to_thread(self._generate, prompt_ids, params, budget, seeds)
+        except BaseException as exc:
+            for member in members:
+                if not member.done():
+                    member.set_exception(exc)
+            raise
+        for member, row in zip(members, rows, strict=True):
+            member.set_result(row)
+
+    def _generate(self, prompt_ids: list[int], params: dict, budget: int,
+                  seeds: list[int]) -> list[tuple[list[int], list[float]]]:
+        """One response per seed to the same prompt, generated together (one forward a token for all rows);
+        a finished row keeps being fed its last token until every row is done (its output is ignored)."""
         temperature, top_p = float(params.get("temperature", 1.0)), float(params.get("top_p", 1.0))
         top_k = int(params.get("top_k", -1) or -1)
-        generator = torch.Generator().manual_seed(seed)
-        ids, past = torch.tensor([prompt_ids]), None
-        tokens: list[int] = []
-        log_probs: list[float] = []
+        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        ids, past = torch.tensor([prompt_ids] * len(seeds)), None
+        rows: list[tuple[list[int], list[float]]] = [([], []) for _ in seeds]
+        done = [False] * len(seeds)
         with torch.no_grad():
             for _ in range(budget):
                 out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
                 past = out.past_key_values
-                token, log_prob = sample_token(out.logits[0, -1].float(), temperature, top_p, top_k, generator)
-                tokens.append(token)
-                log_probs.append(log_prob)
-                if token in self.eos and not self.config.ignore_eos:
+                logits = out.logits[:, -1].float()
+                fed = []
+                for b, (tokens, log_probs) in enumerate(rows):
+                    if not done[b]:
+                        token, log_prob = sample_token(logits[b], temperature, top_p, top_k, generators[b])
+                        tokens.append(token)
+                        log_probs.append(log_prob)
+                        done[b] = token in self.eos and not self.config.ignore_eos
+                    fed.append(tokens[-1])
+                if all(done):
                     break
-                ids = torch.tensor([[token]])
-        return tokens, log_probs
+                ids = torch.tensor(fed).unsqueeze(1)
+        return rows
 
     # the control calls RolloutReplica and verl's trainer make; nothing to free or pause on CPU
     async def wake_up(self, tags=None):
