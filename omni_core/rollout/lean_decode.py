@@ -14,7 +14,8 @@ one query token; only the grouping differs (q/k/v and gate/up projections as one
 and k_norm as one norm, rotate_half as a roll), and on CPU the logits are the model's bit for bit
 (the tests check it). A token is drawn by `draw_tokens`, the engine's rule (argmax; or inverse CDF at
 the k-th uniform of the request's own generator), so a response depends on its prompt, seed and the
-weights as with the engine.
+weights as with the engine. Finished responses stay in the batch until they are half of it, then
+leave it (the engine drops each at once; HF `generate` keeps them to the end).
 
 `supports` says which models this covers (what `_State.step` assumes); others go through `ARengine`.
 """
@@ -84,15 +85,22 @@ def _decode(model: Any, prompts: Sequence[Sequence[int]], sampling: Any, seeds: 
     state = _State(model, cache, mask.bool(), steps)
     tokens = torch.full((len(prompts), steps), pad_id, dtype=torch.long, device=device)
     eos = torch.tensor(sorted(eos_ids), device=device)
+    rows = torch.arange(len(prompts), device=device)  # the prompt of each row still decoding
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     logits = out.logits[:, -1].float()
     for k in range(steps):
-        chosen, _ = draw_tokens(logits, sampling, None if uniforms is None else uniforms[:, k], logprobs=False)
-        tokens[:, k] = chosen
+        chosen, _ = draw_tokens(logits, sampling, None if uniforms is None else uniforms[rows, k], logprobs=False)
+        tokens[rows, k] = chosen
         done |= torch.isin(chosen, eos)
-        if k + 1 == steps or bool(done.all()):
+        finished = int(done.sum())
+        if k + 1 == steps or finished == len(rows):
             break
-        # finished rows keep decoding (their later tokens are cut at EOS): no cache rows to drop
+        # finished rows keep decoding (their later tokens are cut at EOS) until they are half the batch,
+        # then leave it: one copy of the cache per halving instead of one per finished row
+        if 2 * finished >= len(rows):
+            keep = (~done).nonzero().squeeze(1)
+            state.select(keep)
+            rows, chosen, done = rows[keep], chosen[keep], done[keep]
         logits = state.step(chosen, k).float()
     return tokens
 
@@ -128,6 +136,13 @@ class _State:
         self.cos, sin = base.rotary_emb(self.keys[0], positions)
         # rotate_half(x) * sin = cat(-x2, x1) * sin = roll(x) * cat(-sin1, sin2): the same products
         self.sin = torch.cat([-sin[..., :self.head_dim // 2], sin[..., self.head_dim // 2:]], dim=-1)
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only `rows` (indices into the current rows), in this order."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.mask = None if self.mask is None else self.mask[rows]
+        self.cos, self.sin = self.cos[rows], self.sin[rows]
 
     def step(self, tokens: Tensor, k: int) -> Tensor:
         """Logits [B, V] of the token after `tokens` [B], the k-th drawn (from 0); their K/V are written at
