@@ -83,9 +83,11 @@ def test_responses_that_stop_early_are_the_engines(lm, sampling: ARSampling) -> 
     assert all(o[-1] in eos for o in lean if len(o) < 12)
 
 
-def test_a_step_gives_the_models_logits(lm) -> None:
+@pytest.mark.parametrize("rows", [ROWS, ROWS[:1] * 5], ids=["left-padded", "no-padding"])
+def test_a_step_gives_the_models_logits(lm, rows: list) -> None:
+    """Bit for bit, with padding (SDPA on grouped query heads with a mask) and without (no mask)."""
     model, tokenizer = lm
-    ids, mask = left_pad(encode_prompts(tokenizer, ROWS, 64), tokenizer.pad_token_id)
+    ids, mask = left_pad(encode_prompts(tokenizer, rows, 64), tokenizer.pad_token_id)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     following = torch.tensor([[7], [9], [11], [13], [15]])
     with torch.inference_mode():
