@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from omni_core.errors import ConfigError
 from omni_core.evaluation.text import engine_responses, generate_responses, lean_responses
 from omni_core.models import load_model
 from omni_core.rollout import EngineConfig, RolloutRequest, lean_decode
@@ -39,6 +40,8 @@ def test_it_covers_text_only_qwen3(lm) -> None:
     assert lean_decode.supports(model, tokenizer)
     assert not lean_decode.supports(model, SimpleNamespace(tokenizer=tokenizer))  # a processor: the engine's
     assert not lean_decode.supports(torch.nn.Linear(2, 2), tokenizer)
+    with pytest.raises(ConfigError, match="temperature"):  # the engine's checks
+        lean_responses(model, tokenizer, ROWS, dict(SETTINGS, greedy=False, temperature=0.0), seed=0)
 
 
 def test_greedy_is_the_engines_and_generates(lm) -> None:

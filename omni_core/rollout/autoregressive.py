@@ -81,10 +81,10 @@ class ARSampling:
     greedy: bool = False
 
     def __post_init__(self) -> None:
-        _check_sampling(self)
+        check_sampling(self)
 
 
-def _check_sampling(s: Any) -> None:
+def check_sampling(s: Any) -> None:
     if s.max_new_tokens < 1:
         raise ConfigError(f"rollout max_new_tokens={s.max_new_tokens}: must be at least 1")
     if not s.greedy and not s.temperature > 0:
@@ -281,7 +281,7 @@ class ARengine(RolloutEngine):
     # ---- step-level --------------------------------------------------------------------------
 
     def start(self, request: RolloutRequest) -> _Sequence:
-        _check_sampling(request.sampling)
+        check_sampling(request.sampling)
         ids, media = _prompt_parts(request.prompt)
         if media and not self._mrope:
             raise ModelError(f"request {request.request_id} has media inputs ({', '.join(media)}) but the model "
@@ -433,4 +433,4 @@ class ARengine(RolloutEngine):
                 s.done, s.finish_reason = True, "length"
 
 
-__all__ = ["ARPrompt", "ARSampling", "ARengine", "draw_tokens"]
+__all__ = ["ARPrompt", "ARSampling", "ARengine", "check_sampling", "draw_tokens"]

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache
 
-from omni_core.rollout.autoregressive import draw_tokens
+from omni_core.rollout.autoregressive import check_sampling, draw_tokens
 
 
 def supports(model: Any, text_io: Any) -> bool:
@@ -53,6 +53,7 @@ def decode(model: Any, prompts: Sequence[Sequence[int]], sampling: Any, seeds: S
     """The response token ids (each up to and including its first EOS) of each prompt, decoded together
     as one batch (left-padded), request i drawn with the generator seeded `seeds[i]` (unused for greedy).
     `model` must pass `supports`."""
+    check_sampling(sampling)
     was_training = model.training
     model.eval()
     try:
