@@ -167,8 +167,7 @@ class _State:
             else:  # the query's heads packed per KV head (`pack_gqa`), the mask shared by all heads
                 o = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, -1, dim), keys, values,
                                                    attn_mask=mask, scale=w.scaling)
-            o = o.reshape(batch, -1, 1, dim).transpose(1, 2).contiguous().reshape(batch, 1, -1).contiguous()
-            x = x + F.linear(o, w.o_proj)
+            x = x + F.linear(o.reshape(batch, 1, -1), w.o_proj)  # heads in order, as transformers lays them out
             gate, up = F.linear(_rms(x, w.post_norm, eps), w.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w.down)
         return F.linear(_rms(x, self.norm, eps), self.lm_head)[:, -1]
