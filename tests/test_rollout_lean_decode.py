@@ -101,3 +101,26 @@ def test_a_step_gives_the_models_logits(lm, rows: list) -> None:
         logits = model(input_ids=following, attention_mask=torch.cat([mask, torch.ones_like(following)], dim=1),
                      position_ids=mask.sum(-1, keepdim=True), cache=cache, use_cache=True).logits[:, -1]
     assert torch.equal(lean, logits)
+
+
+def test_a_step_gives_the_models_logits_for_real_qwen3_shapes() -> None:
+    """As Qwen3 checkpoints have them: head_dim not hidden / heads, untied LM head, 3 layers."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False,
+                         attn_implementation="sdpa")
+    model = Qwen3ForCausalLM(config).eval()
+    assert lean_decode.supports(model, SimpleNamespace(eos_token_id=1))
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    ids, mask = left_pad(prompts, 0)
+    following = torch.tensor([[20], [21], [22]])
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache,
+              use_cache=True)
+        lean = lean_decode._State(model, cache, mask.bool(), steps=2).step(following[:, 0], 0)
+        logits = model(input_ids=following, attention_mask=torch.cat([mask, torch.ones_like(following)], dim=1),
+                       position_ids=mask.sum(-1, keepdim=True), cache=cache, use_cache=True).logits[:, -1]
+    assert torch.equal(lean, logits)
