@@ -3,7 +3,8 @@
     python bench/eval.py [--quick] [--json] [--threads N] [--workload text,images,overhead]
 
 - text: `tiny://lm`, 512 GSM8K test prompts (the fixture's rows, repeated to 512), 64 new tokens,
-  greedy, batch size 64: the eval stage's `ARengine` path (`omni_core.evaluation.text.generate_responses`)
+  greedy, batch size 64: the eval stage's text path (`omni_core.evaluation.text.generate_responses`;
+  for a text-only Qwen3 model such as this one, `omni_core.rollout.lean_decode`, else `ARengine`)
   against a plain HF `model.generate` loop over the same batches (left-padded, greedy, the same
   max_new_tokens and rows). The responses are compared too (greedy is argmax in both).
 - images: `tiny://sd3`, 64 OCR prompts, 6 denoising steps with True-CFG (guidance 4.5), ODE

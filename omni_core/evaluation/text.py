@@ -7,6 +7,10 @@ the same on every run. Response j of row i is drawn with `rollout_seed(seed, 0, 
 depends on its row, the seed and the weights only, so a candidate and its baseline are compared on the
 same random numbers. Greedy is argmax, as in HF `generate`.
 
+Text-only Qwen3 causal LMs take a faster loop over the same batches (`omni_core.rollout.lean_decode`:
+the engine's prefill and token rule, the decode steps without transformers' per-token overhead) with
+the same responses.
+
 With `engine: vllm_omni` the responses come from vLLM-Omni's AsyncOmni instead (GPU images: the `gpu`
 extra): the checkpoint folder is its model (a LoRA checkpoint: its base, with the adapter pushed as a
 LoRA request), the same requests and seeds (vLLM's own sampler: sampled draws differ from ours, greedy
@@ -31,7 +35,19 @@ def sampling_of(settings: dict[str, Any]) -> Any:
 
 def generate_responses(model: Any, text_io: Any, rows: list[dict[str, Any]], settings: dict[str, Any],
                        seed: int) -> list[str]:
-    """The `n` responses of each row (response j of row i at i * n + j), from an `ARengine`."""
+    """The `n` responses of each row (response j of row i at i * n + j): by `lean_responses` for the
+    models `lean_decode` covers (text-only Qwen3 causal LMs), else by `engine_responses`; the two give
+    the same responses."""
+    from omni_core.rollout import lean_decode
+
+    if lean_decode.supports(model, text_io):
+        return lean_responses(model, text_io, rows, settings, seed)
+    return engine_responses(model, text_io, rows, settings, seed)
+
+
+def engine_responses(model: Any, text_io: Any, rows: list[dict[str, Any]], settings: dict[str, Any],
+                     seed: int) -> list[str]:
+    """`generate_responses` from an `ARengine` (any causal LM, the Qwen3-Omni thinker with media)."""
     from omni_core.rollout.autoregressive import ARengine
     from omni_core.rollout.engine import EngineConfig
     from omni_core.training.components import encode_prompt_inputs, rollout_requests, rollout_seed
@@ -50,6 +66,25 @@ def generate_responses(model: Any, text_io: Any, rows: list[dict[str, Any]], set
                 texts += [r.text for r in engine.run_requests(requests)]
     finally:
         engine.close()
+    return texts
+
+
+def lean_responses(model: Any, tokenizer: Any, rows: list[dict[str, Any]], settings: dict[str, Any],
+                   seed: int) -> list[str]:
+    """`generate_responses` by `lean_decode.decode`: the engine's batches, seeds, stop and pad tokens."""
+    from omni_core.rollout import lean_decode
+    from omni_core.training.components import encode_prompts, rollout_seed
+
+    n, size = settings["n"], settings["batch_size"]
+    sampling = sampling_of(settings)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    texts: list[str] = []
+    for start in range(0, len(rows), size):
+        prompts = encode_prompts(tokenizer, rows[start:start + size], settings["max_prompt_tokens"])
+        seeds = [rollout_seed(seed, 0, start + i, j) for i in range(len(prompts)) for j in range(n)]
+        outputs = lean_decode.decode(model, [p for p in prompts for _ in range(n)], sampling, seeds, [eos], pad)
+        texts += tokenizer.batch_decode(outputs, skip_special_tokens=True)
     return texts
 
 

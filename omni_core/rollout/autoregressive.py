@@ -81,10 +81,10 @@ class ARSampling:
     greedy: bool = False
 
     def __post_init__(self) -> None:
-        _check_sampling(self)
+        check_sampling(self)
 
 
-def _check_sampling(s: Any) -> None:
+def check_sampling(s: Any) -> None:
     if s.max_new_tokens < 1:
         raise ConfigError(f"rollout max_new_tokens={s.max_new_tokens}: must be at least 1")
     if not s.greedy and not s.temperature > 0:
@@ -203,6 +203,31 @@ def _prompt_parts(prompt: Any) -> tuple[list[int], dict[str, Tensor]]:
     return ids, media
 
 
+def draw_tokens(raw: Tensor, sampling: Any, uniforms: Tensor | None, suppress: Sequence[int] = (),
+                logprobs: bool = True) -> tuple[Tensor, Tensor | None]:
+    """(the next token of each row of `raw` [B, V] float32 logits, `log_softmax(raw / T)` [B, V] or None
+    without `logprobs`): argmax for greedy, else inverse CDF at the row's uniform (`uniforms` [B] float64,
+    module docstring). `suppress`: token ids never drawn. Shared with the eval's `lean_decode`, so both
+    draw a token by the same rule."""
+    warpers = LogitsProcessorList()
+    if not sampling.greedy and sampling.top_p < 1:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+    if suppress:
+        warpers.append(SuppressTokensLogitsProcessor(list(suppress), device=raw.device))
+    if sampling.greedy:
+        logp = torch.log_softmax(raw, dim=-1) if logprobs else None  # at temperature 1
+        # max(dim) rather than argmax: the same index (the first maximum), a third of argmax's time on CPU
+        chosen = (warpers(None, raw.clone()) if warpers else raw).max(dim=-1).indices
+    else:
+        scores = raw / float(sampling.temperature)
+        logp = torch.log_softmax(scores, dim=-1) if logprobs or not warpers else None  # the full tempered one
+        probs = torch.softmax(warpers(None, scores.clone()), dim=-1) if warpers else logp.exp()
+        cdf = probs.double().cumsum(dim=-1)  # filtered tokens: zero-width steps, never chosen
+        chosen = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        chosen = chosen.clamp_(max=cdf.shape[-1] - 1)
+    return chosen, logp
+
+
 class ARengine(RolloutEngine):
     """Autoregressive generation with per-request seeds and rollout log-probs (module docstring).
 
@@ -256,7 +281,7 @@ class ARengine(RolloutEngine):
     # ---- step-level --------------------------------------------------------------------------
 
     def start(self, request: RolloutRequest) -> _Sequence:
-        _check_sampling(request.sampling)
+        check_sampling(request.sampling)
         ids, media = _prompt_parts(request.prompt)
         if media and not self._mrope:
             raise ModelError(f"request {request.request_id} has media inputs ({', '.join(media)}) but the model "
@@ -394,23 +419,9 @@ class ARengine(RolloutEngine):
         for sampling, rows in by_sampling.items():
             index = torch.tensor(rows, device=logits.device)
             raw = logits[index] if len(rows) < len(seqs) else logits
-            temperature = 1.0 if sampling.greedy else float(sampling.temperature)
-            scores = raw / temperature
-            logp = torch.log_softmax(scores, dim=-1)  # recorded: the full tempered distribution
-            warpers = LogitsProcessorList()
-            if not sampling.greedy and sampling.top_p < 1:
-                warpers.append(TopPLogitsWarper(sampling.top_p))
-            if self._suppress:
-                warpers.append(SuppressTokensLogitsProcessor(self._suppress, device=logits.device))
-            if sampling.greedy:
-                chosen = warpers(None, raw.clone()).argmax(dim=-1) if warpers else raw.argmax(dim=-1)
-            else:
-                probs = torch.softmax(warpers(None, scores.clone()), dim=-1) if warpers else logp.exp()
-                cdf = probs.double().cumsum(dim=-1)  # filtered tokens: zero-width steps, never chosen
-                u = torch.tensor([seqs[i].uniforms[len(seqs[i].tokens)] for i in rows], dtype=torch.float64,
-                                 device=cdf.device)
-                chosen = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-                chosen = chosen.clamp_(max=cdf.shape[-1] - 1)
+            u = None if sampling.greedy else torch.tensor(
+                [seqs[i].uniforms[len(seqs[i].tokens)] for i in rows], dtype=torch.float64, device=logits.device)
+            chosen, logp = draw_tokens(raw, sampling, u, self._suppress)
             tokens[index] = chosen
             picked[index] = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
         for s, token, lp in zip(seqs, tokens.tolist(), picked.tolist(), strict=True):
@@ -422,4 +433,4 @@ class ARengine(RolloutEngine):
                 s.done, s.finish_reason = True, "length"
 
 
-__all__ = ["ARPrompt", "ARSampling", "ARengine"]
+__all__ = ["ARPrompt", "ARSampling", "ARengine", "check_sampling", "draw_tokens"]
