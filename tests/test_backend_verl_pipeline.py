@@ -122,7 +122,7 @@ def uninterrupted(ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  # noqa: 
     return {"run": run, "lines": lines, "store_uri": store_uri}
 
 
-def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs):  # noqa: F811
+def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs, tmp_path):  # noqa: F811
     run, lines, store_uri = uninterrupted["run"], uninterrupted["lines"], uninterrupted["store_uri"]
     sft = run.outcomes["sft"]
     out = sft.outputs
@@ -174,6 +174,10 @@ def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs
     assert diff_max < 1e-3, diff_max
     print(f"verl GRPO on the CPU rollout: rollout-vs-actor |p diff| max {diff_max:.2e}, critic/score/mean "
           f"{[round(m.value, 3) for m in sorted(metrics['critic/score/mean'], key=lambda m: m.step)]}")
+    # the CPU rollout generated each prompt's 4 samples together: 4 prompts x 4 samples in 4 groups of 4
+    rl_job = rl_tags["omni.verl.submission_id"]
+    rl_log = Path(client.download_artifacts(rl.mlflow_run_id, f"verl/{rl_job}.log", str(tmp_path))).read_text()
+    assert "omni_cpu rollout: weights version 1: 16 requests in 4 groups (largest 4)" in rl_log, rl_log[-3000:]
     rl_root = stage_prefix("verl-e2e", rl_out["run_key"], "rl")
     assert checkpoint_steps(store, rl_root) == {step: True for step in range(1, RL_STEPS + 1)}
 

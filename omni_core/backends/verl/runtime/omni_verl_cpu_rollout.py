@@ -111,6 +111,7 @@ class CPURolloutServer:
         self.lock = asyncio.Lock()  # one generation (or weight update) at a time
         self.seen: dict[str, int] = {}  # identical requests since the last weight update
         self.waiting: dict[str, list[asyncio.Future]] = {}  # a group's requests that arrived so far
+        self.generated = {"requests": 0, "groups": 0, "largest": 0}  # since the last weight update
 
     async def update_weights(self, state: dict[str, torch.Tensor]) -> int:
         async with self.lock:
@@ -126,6 +127,10 @@ class CPURolloutServer:
         return len(state)
 
     async def set_global_steps(self, global_steps: int | None) -> None:
+        if self.generated["requests"]:  # the previous weights' generation, in the job's log
+            print(f"{NAME} rollout: weights version {self.global_steps}: {self.generated['requests']} requests in "
+                  f"{self.generated['groups']} groups (largest {self.generated['largest']})", flush=True)
+        self.generated = {"requests": 0, "groups": 0, "largest": 0}
         self.global_steps = global_steps
         self.seen = {}
 
@@ -185,6 +190,9 @@ class CPURolloutServer:
                 base = getattr(self.config, "seed", 0)
                 seeds = [request_seed(base, self.global_steps, prompt_ids, params, k + i) for i in range(len(members))]
                 rows = await asyncio.to_thread(self._generate, prompt_ids, params, budget, seeds)
+                self.generated = {"requests": self.generated["requests"] + len(members),
+                                  "groups": self.generated["groups"] + 1,
+                                  "largest": max(self.generated["largest"], len(members))}
         except BaseException as exc:
             for member in members:
                 if not member.done():
