@@ -86,6 +86,9 @@ def test_what_the_cpu_rollout_honours_passes(tmp_path):
 
 def test_plan_shows_the_command_with_the_cpu_rollout(tmp_path):
     data = pipeline(tmp_path, rl=CPU_RL)
+    # and an eval by verl's own validation (engine: trainer): its val-only command is composed too
+    data["stages"].append({"name": "eval", "kind": "eval", "after": ["rl"], "data": "gsm8k:test", "engine": "trainer",
+                           "max_rows": 4})
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(data))
     planned = cli("plan", str(path))
@@ -94,6 +97,8 @@ def test_plan_shows_the_command_with_the_cpu_rollout(tmp_path):
     assert "-m verl.trainer.main_ppo " in text and "actor_rollout_ref.rollout.name=omni_cpu" in text
     assert "omni_verl_cpu,omni_verl_cpu_rollout" in text and str(RUNTIME_DIR) in text
     assert "verl hydra check, stage rl: ok: composed by verl 0.9.1" in " ".join(planned.stderr.split())
+    assert "verl hydra check, stage eval: ok: composed by verl 0.9.1" in " ".join(planned.stderr.split())
+    assert "trainer.val_only=true" in text
 
 
 TYPO = "actor_rollout_ref.actor.ppo_epoch=2"
