@@ -290,7 +290,8 @@ def sd3_inference_forward(transformer: Any, x: Tensor, timestep: Tensor, embeds:
     """`SD3Transformer2DModel.forward` (diffusers 0.3x-0.4x, no ControlNet / IP-adapter / skipped layers)
     for inference: the same modules (so LoRA layers and `disable_adapter` apply), with the elementwise
     work in fewer passes (modulations and gated residuals as one addcmul each, RMS norms fused, GELU
-    through sigmoid) and without the queries of context rows whose outputs the last block discards.
+    through sigmoid; in large batches, plain linears with the bias and GELU fused by oneDNN) and
+    without the queries of context rows whose outputs the last block discards.
     None when the transformer is not a shape it knows (the caller then runs the plain forward)."""
     t = transformer.get_base_model() if hasattr(transformer, "get_base_model") else transformer
     if not _supported(t):
