@@ -210,6 +210,11 @@ def test_the_ocr_example_runs_natively_on_cpu(pipeline_model_env, tmp_path, mlfl
     assert outcome.status == "completed" and outcome.outputs["global_step"] == 1
     manifest = json.loads((Path(outcome.outputs["checkpoint_uri"]) / "_manifest.json").read_text())
     assert manifest["algorithm"] == "flow_grpo" and manifest["weights"]
+    # and on to a registered version: the LoRA checkpoint's images scored by tesseract's OCR reward
+    evaluated = run.outcomes["eval"].outputs
+    assert evaluated["kind"] == "images" and "val/reward_mean" in evaluated["metrics"]
+    registered = run.outcomes["register"].outputs
+    assert registered["model_name"] == "qwen-image-ocr-lora" and registered["version"]
 
 
 @pytest.mark.parametrize("name", sorted(recipes()))
