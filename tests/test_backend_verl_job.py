@@ -153,6 +153,84 @@ def test_a_verl_job_runs_on_ray_with_progress_mirroring_and_mlflow(ray_jobs, tmp
     assert ray_jobs.get_job_status(second.submission_id).value == "STOPPED"
 
 
+def _wrapper_python(tmp_path: Path) -> Path:
+    """A job python that prints the env and argv it got, then runs an interpreter without verl_omni."""
+    real = verl_python()  # an interpreter that exists, has no verl_omni
+    wrapper = tmp_path / "python3"
+    wrapper.write_text("#!/bin/sh\n"
+                       'echo "omni-test-env=$VERL_USE_EXTERNAL_MODULES,${MLFLOW_RUN_ID:+run},$MLFLOW_TRACKING_URI"\n'
+                       f"{real} -c 'import json, sys; print(\"omni-test-argv=\" + json.dumps(sys.argv[1:]))' \"$@\"\n"
+                       f'exec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def test_a_verl_omni_recipes_own_validation_goes_through_the_job_path_up_to_the_jobs_start(
+        ray_jobs, tmp_path, omni_cache, mlflow_db):
+    """An eval stage with `engine: trainer` after a verl_omni stage: the recipe's final checkpoint (in the
+    store, as its training mirrored it; the shared path empty, as on a new cluster) is put back on the
+    shared path and the recipe's val-only command submitted with the eval run in its env. The job's
+    python fails importing verl_omni (no GPUs here), which the eval stage reports."""
+    from omni_core.backends.jobs.runner import JobError
+    from omni_core.config import validate_pipeline
+    from omni_core.pipeline.run import PipelineRun
+    from omni_core.training import rl_run_key
+    from omni_core.training.checkpoint import LATEST, MANIFEST, stage_prefix
+
+    wrapper, shared = _wrapper_python(tmp_path), tmp_path / "shared"
+    tracking = mlflow_db(tmp_path / "mlflow.db")
+    config = validate_pipeline({
+        "name": "vo", "store": str(tmp_path / "store"), "tracking_uri": tracking,
+        "ray": {"address": ray_jobs.get_address()},
+        "datasets": {"mmk12": {"source": "fixtures://mmk12?rows=4&seed=0", "converter": "mmk12"}},
+        "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["mmk12"]},
+                   {"name": "gspo", "kind": "rl", "after": ["ingest"], "model": "tiny://lm", "data": "mmk12:train",
+                    "algorithm": {"name": "gspo"}, "trainer": {"total_steps": 2},
+                    "backend": {"name": "verl_omni", "recipe": "qwen3-omni-thinker-gspo-mmk12",
+                                "shared_dir": str(shared), "python": str(wrapper),
+                                "entrypoint_resources": {"entrypoint_num_cpus": 1}}},
+                   {"name": "eval", "kind": "eval", "after": ["gspo"], "data": "mmk12:test", "engine": "trainer",
+                    "max_rows": 2}]})
+    store = Store(config.store)
+    lines: list[str] = []
+    run = PipelineRun.start(config, progress=lines.append)
+    try:
+        version = run.run_stage("ingest").outputs["datasets"]["mmk12"]["version"]
+        run_key = rl_run_key(config.stage("gspo"), 0, version)
+        trained = tmp_path / "trained"  # the recipe's final checkpoint, mirrored as its training would
+        (trained / "global_step_2" / "actor" / "lora_adapter").mkdir(parents=True)
+        (trained / "global_step_2" / "actor" / "lora_adapter" / "adapter_model.safetensors").write_bytes(b"adapter")
+        (trained / LATEST).write_text("2")
+        root = stage_prefix("vo", run_key, "gspo")
+        mirror_new(trained, store, root)
+        key = f"{root}/checkpoints/global_step_2/{MANIFEST}"
+        store.write_json(key, {**store.read_json(key), "weights": "actor/lora_adapter/adapter_model.safetensors"})
+        assert run.run_stage("gspo").outputs["reused"]  # committed: no training job
+        with pytest.raises(JobError) as failed:
+            run.run_stage("eval")
+    finally:
+        run.finish(False)
+    message = str(failed.value)
+    assert "stage eval: VeRL-Omni validation job omni-verl-vo-eval-" in message and "ended FAILED" in message
+    assert "No module named 'verl_omni'" in message
+    [job_id] = [j.submission_id for j in ray_jobs.list_jobs() if (j.submission_id or "").startswith("omni-verl-vo-eval-")]
+    checkpoints = shared / "runs" / "vo" / run_key / "gspo" / "checkpoints"
+    restored = checkpoints / "global_step_2" / "actor" / "lora_adapter" / "adapter_model.safetensors"
+    assert restored.read_bytes() == b"adapter"  # put back from the store's mirror
+    log = ray_jobs.get_job_logs(job_id)
+    assert f"omni-test-env=verl_omni,run,{tracking}" in log  # the eval run's id in the env
+    argv = json.loads(next(line for line in log.splitlines() if line.startswith("omni-test-argv="))
+                      .removeprefix("omni-test-argv="))
+    assert argv[:2] == ["-m", "verl_omni.trainer.main_omni"]
+    assert argv[-6:] == ["trainer.val_before_train=true", "trainer.val_only=true", "trainer.resume_mode=resume_path",
+                         f"trainer.resume_from_path={checkpoints}/global_step_2", "trainer.log_val_generations=16",
+                         "data.val_max_samples=2"]
+    assert "trainer.val_before_train=false" not in argv  # the recipe's own, replaced
+    assert "actor_rollout_ref.rollout.val_kwargs.top_p=0.7" in argv  # the recipe's validation sampling
+    assert any(a.startswith("data.val_files=") and a.endswith("/test.parquet") for a in argv)
+    assert any(f"as Ray Job {job_id} (submitted)" in line for line in lines)
+
+
 def test_a_verl_omni_recipe_stage_goes_through_the_job_path_up_to_the_jobs_start(ray_jobs, tmp_path, omni_cache,
                                                                                mlflow_db):
     """backend verl_omni on the real Ray head, through the pipeline's rl stage: the stage exports MMK12 in
@@ -164,14 +242,7 @@ def test_a_verl_omni_recipe_stage_goes_through_the_job_path_up_to_the_jobs_start
     from omni_core.config import validate_pipeline
     from omni_core.pipeline.run import PipelineRun
 
-    real = verl_python()  # an interpreter that exists, has no verl_omni
-    wrapper = tmp_path / "python3"
-    wrapper.write_text("#!/bin/sh\n"
-                       'echo "omni-test-env=$VERL_USE_EXTERNAL_MODULES,${MLFLOW_RUN_ID:+run},$MLFLOW_TRACKING_URI"\n'
-                       f"{real} -c 'import json, sys; print(\"omni-test-argv=\" + json.dumps(sys.argv[1:]))' \"$@\"\n"
-                       f'exec {real} "$@"\n')
-    wrapper.chmod(0o755)
-    shared = tmp_path / "shared"
+    wrapper, shared = _wrapper_python(tmp_path), tmp_path / "shared"
     tracking = mlflow_db(tmp_path / "mlflow.db")
     config = validate_pipeline({
         "name": "vo", "store": str(tmp_path / "store"), "tracking_uri": tracking,
