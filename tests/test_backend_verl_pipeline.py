@@ -46,7 +46,8 @@ from omni_core.training.checkpoint import LATEST, MANIFEST, checkpoint_steps, st
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the module run: 3 verl jobs on a loaded 2-core machine
 
 DIGITS = {"digits": {"source": "fixtures://digits?rows=24&seed=7", "converter": "digits"}}
-TOTAL_STEPS = 3  # sft
+TOTAL_STEPS = 40  # sft: enough for the model to answer in digits, so GRPO's rewards differ within a group
+SFT_SAVE_FREQ = 20
 RL_STEPS = 2
 
 
@@ -54,8 +55,8 @@ def sft_stage(shared_dir: Path, **extra) -> dict:
     """The verl sft stage of this module's runs (the cancel test changes its steps)."""
     return {"name": "sft", "kind": "sft", "after": ["ingest"], "model": "tiny://lm", "data": "digits:train",
             "algorithm": {"name": "sft", "response": "ground_truth"},
-            "trainer": {"total_steps": TOTAL_STEPS, "batch_size": 4, "lr": 1e-3},
-            "checkpoint": {"save_freq": 1, "max_to_keep": None},
+            "trainer": {"total_steps": TOTAL_STEPS, "batch_size": 16, "lr": 3e-3},
+            "checkpoint": {"save_freq": SFT_SAVE_FREQ, "max_to_keep": None},
             "backend": {"name": "verl", "python": verl_python(), "shared_dir": str(shared_dir), "device": "cpu",
                         "overrides": ["data.max_length=128"]}, **extra}
 
@@ -111,8 +112,9 @@ def uninterrupted(ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  # noqa: 
             sft_stage(shared),
             rl_stage(shared),
             rl_stage(shared, name="gspo", algorithm=GSPO, steps=1),
+            # sampled (8 responses a row, the same random numbers for both): did GRPO help the sft checkpoint
             {"name": "eval", "kind": "eval", "after": ["rl"], "checkpoint_from": "rl", "data": "digits:test",
-             "max_new_tokens": 8, "max_rows": 4, "samples": 2},
+             "max_new_tokens": 8, "greedy": False, "n": 8, "samples": 2, "baseline": True},
             {"name": "eval_verl", "kind": "eval", "after": ["rl"], "checkpoint_from": "rl", "data": "digits:test",
              "engine": "trainer", "max_new_tokens": 8, "max_rows": 4, "samples": 2},
             {"name": "register", "kind": "register", "after": ["eval"], "model_name": "verl-e2e-rl"},
@@ -127,12 +129,14 @@ def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs
     sft = run.outcomes["sft"]
     out = sft.outputs
     assert out["backend"] == "verl" and out["global_step"] == TOTAL_STEPS and not out["reused"]
-    assert [f"stage sft: step {n} of 3" for n in (1, 2, 3)] == [ln for ln in lines if " of 3" in ln], \
+    steps = list(range(1, TOTAL_STEPS + 1))
+    assert [f"stage sft: step {n} of {TOTAL_STEPS}" for n in steps] == [
+        ln for ln in lines if ln.startswith("stage sft: step ")], \
         "\n".join(line for line in lines if line.startswith("stage sft"))
 
     client = MlflowClient(mlflow_server.url)
     losses = client.get_metric_history(sft.mlflow_run_id, "train/loss")
-    assert sorted(m.step for m in losses) == [1, 2, 3]  # verl's own mlflow logger, in our child run
+    assert sorted(m.step for m in losses) == steps  # verl's own mlflow logger, in our child run
     tags = client.get_run(sft.mlflow_run_id).data.tags
     assert tags["omni.verl.version"] == "0.9.1"
     assert tags["omni.verl.submission_id"] == f"omni-verl-verl-e2e-sft-{out['run_key']}"
@@ -142,8 +146,8 @@ def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs
 
     store = Store(store_uri)
     root = stage_prefix("verl-e2e", out["run_key"], "sft")
-    assert checkpoint_steps(store, root) == {1: True, 2: True, 3: True}  # all mirrored, each with its manifest
-    final = store.read_json(f"{root}/checkpoints/global_step_3/{MANIFEST}")
+    assert checkpoint_steps(store, root) == {20: True, 40: True}  # all mirrored, each with its manifest
+    final = store.read_json(f"{root}/checkpoints/global_step_{TOTAL_STEPS}/{MANIFEST}")
     assert final["source"] == "verl" and final["weights"] == "model.safetensors"
     paths = {f["path"] for f in final["files"]}
     assert {"model.safetensors", "config.json", "model_world_size_1_rank_0.pt"} <= paths
@@ -211,8 +215,11 @@ def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs
     logged = client.get_run(by_verl.mlflow_run_id).data.metrics
     assert logged["val-core/digits_rotate/acc/mean_at_1"] == verl_metrics["val-core/digits_rotate/acc/mean_at_1"]
     assert not client.get_metric_history(by_verl.mlflow_run_id, "actor/pg_loss")  # validated, did not train
-    print(f"the rl checkpoint on 4 test rows, greedy, 8 new tokens: val/reward_mean {verl_metrics['val/reward_mean']:.3f} "
-          f"by verl's validation, {evaluated['metrics']['val/reward_mean']:.3f} by our engine")
+    gain = evaluated["metrics"]["val/reward_mean_gain"]
+    print(f"verl's validation of the rl checkpoint (4 test rows, greedy): val/reward_mean "
+          f"{verl_metrics['val/reward_mean']:.3f}; our eval (8 sampled responses a row): rl "
+          f"{evaluated['metrics']['val/reward_mean']:.4f}, its sft checkpoint "
+          f"{evaluated['metrics']['val/reward_mean_baseline']:.4f}, gain {gain:+.4f}")
 
     from flows.cli import app
 

@@ -3,8 +3,8 @@ needs to run it on one CPU rank. Rendered here (our interpreter); the code that 
 interpreter is in `runtime/` next to this file, never imported by ours:
 
 - `runtime/omni_verl_cpu.py`: a `cpu` platform for verl (gloo, torch.cpu as the device module);
-- `runtime/omni_verl_cpu_rollout.py`: main_ppo's rollout `omni_cpu` (transformers on CPU, one request
-  at a time with per-request seeds, the batch order made deterministic).
+- `runtime/omni_verl_cpu_rollout.py`: main_ppo's rollout `omni_cpu` (transformers on CPU, a prompt's n
+  samples generated together with per-sample seeds, the batch order made deterministic).
 
 The job's env puts `runtime/` on PYTHONPATH and names both modules in `VERL_USE_EXTERNAL_MODULES` (verl
 imports them in every process of the job), so the Ray nodes must see this folder at the same path (a
@@ -14,6 +14,7 @@ Overrides added after ours and before `backend.overrides`: fsdp2 (fsdp1 needs an
 attention, no torch.compile (its entropy kernel needs a C++ toolchain), `trainer.device=cpu`; for
 main_ppo also the `omni_cpu` rollout with tensor parallel 1, one TransferQueue storage unit, one agent
 loop and one reward worker (each asks Ray for a CPU; verl's defaults, 8 each, stall a small node),
+the actor and reference in fp32 (verl's FSDP default is bf16 compute),
 merged LoRA weights and `backend.python` as the Ray workers' interpreter. The Ray node needs at least 8 logical CPUs (`ray start --head --num-cpus 8`).
 """
 
@@ -42,6 +43,10 @@ PPO_OVERRIDES = {
     "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1,
     "data.dataloader_num_workers": 0,
     "trainer.device": "cpu",
+    # verl's FSDP engine computes in bf16 by default (a GPU speed trade): on CPU the actor and reference
+    # compute in fp32, as the rollout does, so the rollout's log-probs are the actor's (bf16 was 2e-2 apart)
+    **{f"++actor_rollout_ref.{role}.fsdp_config.mixed_precision.{part}_dtype": "fp32"
+       for role in ("actor", "ref") for part in ("param", "reduce", "buffer")},
 }
 LORA_MERGE = "actor_rollout_ref.model.lora.merge"
 PY_EXECUTABLE = "ray_kwargs.ray_init.runtime_env.py_executable"
