@@ -240,25 +240,6 @@ def test_inference_forward_is_the_plain_forward(model):
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
-def test_inference_forward_fused_linears(model, monkeypatch):
-    """The oneDNN linears (bias and GELU fused) that batched forwards take are the plain forward up to
-    float rounding (forced on here for a small batch)."""
-    from omni_core.models import diffusion
-
-    monkeypatch.setattr(diffusion, "_FUSED_LINEAR_MIN", 0)
-    layer = model.transformer.transformer_blocks[0].ff.net[0].proj
-    assert diffusion._fused_linear(layer, torch.zeros(1, 4, layer.in_features))
-    gen = torch.Generator().manual_seed(1)
-    x, t = torch.randn((2, 3, 32, 32), generator=gen), torch.tensor([900.0, 120.0])
-    with DiffusionEngine(model) as engine:
-        text = engine.encode([PROMPTS[0], PROMPTS[1]])
-    with torch.no_grad():
-        plain = model.transformer(hidden_states=x, encoder_hidden_states=text.embeds, pooled_projections=text.pooled,
-                                  timestep=t, return_dict=False)[0]
-        fast = diffusion.sd3_inference_forward(model.transformer, x, t, text.embeds, text.pooled)
-    torch.testing.assert_close(fast, plain, atol=1e-6, rtol=0)
-
-
 def test_engine_inference_kernels_match_the_plain_forward(model):
     reqs = requests()
     fast, _ = generate(model, EngineConfig(max_num_seqs=8), reqs)

@@ -198,12 +198,9 @@ def _modulate(normed: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
 
 
 def _rms(norm: Any, x: Tensor) -> Tensor:
-    """RMSNorm of the last dim: torch's CPU rms_norm is six passes (pow, mean, add, rsqrt, two muls);
-    the mean of squares from one vector_norm pass leaves two over the whole tensor."""
     if norm is None:
         return x
-    inv = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(norm.eps).rsqrt_()
-    return (x * inv).mul_(norm.weight)
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
 
 
 def _supported(t: Any) -> bool:
@@ -239,32 +236,11 @@ def _supported(t: Any) -> bool:
     return True
 
 
-# oneDNN's linear with the bias (and GELU) fused in: one pass over the output where torch's is a
-# bias copy, the GEMM, then GELU's four passes; its per-call overhead (~10-20 us) pays only for
-# outputs of this many elements and up (batched forwards, not B=1 or 2).
-_FUSED_LINEAR_MIN = 1 << 18
-
-
-def _fused_linear(module: Any, x: Tensor) -> bool:
-    return (type(module) is torch.nn.Linear and module.bias is not None and x.device.type == "cpu"
-            and x.dtype == torch.float32 and x.numel() // x.shape[-1] * module.out_features >= _FUSED_LINEAR_MIN
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-def _linear(module: Any, x: Tensor, gelu: bool = False) -> Tensor:
-    """module(x), tanh-GELU'd with `gelu`; a plain nn.Linear (not a LoRA layer) on a large CPU input
-    runs through oneDNN with the bias and GELU fused (equal to ~1e-7)."""
-    if _fused_linear(module, x):
-        return torch.ops.mkldnn._linear_pointwise(x, module.weight, module.bias, "gelu" if gelu else "none", [],
-                                                  "tanh" if gelu else "")
-    return _gelu_tanh_(module(x)) if gelu else module(x)
-
-
 def _attention(attn: Any, x: Tensor, context: Tensor | None, context_out: bool) -> tuple[Tensor, Tensor | None]:
     """diffusers' JointAttnProcessor2_0 over [x; context] (context_out False: the context rows' outputs
     are not needed, so their queries are left out; the image rows' outputs are the same)."""
     batch, n, heads = x.shape[0], x.shape[1], attn.heads
-    q, k, v = _linear(attn.to_q, x), _linear(attn.to_k, x), _linear(attn.to_v, x)
+    q, k, v = attn.to_q(x), attn.to_k(x), attn.to_v(x)
     d = q.shape[-1] // heads
     q, k, v = (_rms(attn.norm_q, q.view(batch, n, heads, d)), _rms(attn.norm_k, k.view(batch, n, heads, d)),
                v.view(batch, n, heads, d))
@@ -277,12 +253,12 @@ def _attention(attn: Any, x: Tensor, context: Tensor | None, context_out: bool) 
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     o = o.transpose(1, 2).reshape(batch, -1, heads * d)
     if context is not None and context_out:
-        return _linear(attn.to_out[0], o[:, :n]), _linear(attn.to_add_out, o[:, n:])
-    return _linear(attn.to_out[0], o), None
+        return attn.to_out[0](o[:, :n]), attn.to_add_out(o[:, n:])
+    return attn.to_out[0](o), None
 
 
 def _feed_forward(ff: Any, x: Tensor) -> Tensor:
-    return _linear(ff.net[2], _linear(ff.net[0].proj, x, gelu=True))
+    return ff.net[2](_gelu_tanh_(ff.net[0].proj(x)))
 
 
 @torch.no_grad()
@@ -290,8 +266,7 @@ def sd3_inference_forward(transformer: Any, x: Tensor, timestep: Tensor, embeds:
     """`SD3Transformer2DModel.forward` (diffusers 0.3x-0.4x, no ControlNet / IP-adapter / skipped layers)
     for inference: the same modules (so LoRA layers and `disable_adapter` apply), with the elementwise
     work in fewer passes (modulations and gated residuals as one addcmul each, RMS norms fused, GELU
-    through sigmoid; in large batches, plain linears with the bias and GELU fused by oneDNN) and
-    without the queries of context rows whose outputs the last block discards.
+    through sigmoid) and without the queries of context rows whose outputs the last block discards.
     None when the transformer is not a shape it knows (the caller then runs the plain forward)."""
     t = transformer.get_base_model() if hasattr(transformer, "get_base_model") else transformer
     if not _supported(t):
