@@ -35,6 +35,7 @@ from omni_core.lineage.model_registry import (
     REGISTER_KEY,
     ensure_registered_model,
     keep_first_of_key,
+    settle_alias,
     settle_candidate,
     settle_champion,
 )
@@ -134,6 +135,24 @@ def test_candidate_settles_on_the_newest_version_after_a_stale_write(client: Any
     client.set_registered_model_alias("m", CANDIDATE, v1)  # the slower run's stale write
     assert settle_candidate(client, "m") == v2
     assert str(client.get_model_version_by_alias("m", CANDIDATE).version) == v2
+
+
+def test_an_alias_named_a_version_that_a_racer_then_dropped_settles_on_the_next(client: Any) -> None:
+    """The sweep's race: `candidate`'s rule reads the newest version, whose creator (a duplicate run)
+    deletes it before the alias is written (keep_first_of_key); the alias settles on what is left."""
+    ensure_registered_model(client, "m", "p")
+    v1, v2 = version(client, "m", 0.1), version(client, "m", 0.2)
+    rounds: list[str] = []
+
+    def newest_then_dropped(_: Any) -> str:
+        newest = str(max(int(v.version) for v in client.search_model_versions("name='m'")))
+        rounds.append(newest)
+        if newest == v2:
+            client.delete_model_version("m", v2)  # the racer drops it between the read and the write
+        return newest
+
+    assert settle_alias(client, "m", CANDIDATE, newest_then_dropped) == v1
+    assert rounds[:2] == [v2, v1] and str(client.get_model_version_by_alias("m", CANDIDATE).version) == v1
 
 
 def test_two_registrations_of_one_key_leave_one_version(client: Any) -> None:

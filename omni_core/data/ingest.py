@@ -2,11 +2,15 @@
 
 Layout (docs/design.md): datasets/{name}/{version}/{split}-{shard:05d}.parquet, quarantine.parquet,
 _manifest.json (written last: its presence commits the version), and datasets/{name}/LATEST, the
-version committed last. A failed ingest removes what it wrote and leaves LATEST alone.
+version committed last. An ingest that fails on its data (too many quarantined rows, an unreadable raw
+file) removes what it wrote; one that fails on the store (a transient error) leaves it uncommitted (no
+manifest: invisible; the next attempt overwrites it), since a concurrent ingest of the same version may
+be writing those very names. LATEST is left alone either way.
 
 Two ingests of the same version at once (two identical runs) write the same shard names with the same
-bytes, each shard replacing its name whole: nothing is deleted before the write, and a failed attempt
-deletes nothing once the other committed. LATEST is settled on the newest commit (`settle_pointer`):
+bytes, each shard replacing its name whole: nothing is deleted before the write, a failed attempt
+deletes nothing the other may still commit, and an attempt that fails after the other committed takes
+that commit. LATEST is settled on the newest commit (`settle_pointer`):
 two versions committed at once never leave it on the older one.
 """
 
@@ -139,15 +143,23 @@ def ingest(store: Store, name: str, config: DatasetConfig, progress: Progress = 
         with without_huge_pages():
             manifest = _convert(store, name, version, prefix, raw, converter, config, options, splits, progress,
                                 workers)
-        missing = _missing_shards(store, prefix, manifest)
-        if missing:
-            raise DataError(f"dataset {name}: shard(s) {', '.join(missing[:3])} of version {version} vanished while "
-                            "it was written (a concurrent ingest of the same version failed and removed its "
-                            "files?); run the ingest again")
-    except BaseException:
-        if not store.exists(f"{prefix}/{MANIFEST}"):  # committed by a concurrent ingest: keep it
+    except DataError:  # the data itself: every attempt at this version fails alike, none can commit it
+        if not store.exists(f"{prefix}/{MANIFEST}"):
             store.delete(prefix)  # no half-written version stays behind
         raise
+    except Exception:
+        # a storage or other transient error: what this attempt wrote stays uncommitted (no manifest:
+        # invisible) and is the same bytes a concurrent ingest of this version writes, so deleting it
+        # could take that one's shards from under its commit; a retry overwrites it
+        if store.exists(f"{prefix}/{MANIFEST}"):
+            progress(f"dataset {name}: version {version} was committed by a concurrent ingest meanwhile; using it")
+            return load_version(store, name, version)
+        raise
+    missing = _missing_shards(store, prefix, manifest)
+    if missing:
+        raise DataError(f"dataset {name}: shard(s) {', '.join(missing[:3])} of version {version} vanished while "
+                        "it was written (removed by hand, or by a concurrent ingest of the same data that failed "
+                        "on bad rows); run the ingest again")
     store.write_json(f"{prefix}/{MANIFEST}", manifest)  # the commit point
     settle_latest(store, name)
     return DatasetVersion(name, version, store.uri(prefix), manifest, False)

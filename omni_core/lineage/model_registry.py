@@ -90,8 +90,22 @@ def settle_alias(client: Any, name: str, alias: str, rule: Callable[[Any | None]
             continue  # moved by another run meanwhile: evaluate again
         if wanted is None or held == wanted:
             return held
-        client.set_registered_model_alias(name, alias, wanted)
+        try:
+            client.set_registered_model_alias(name, alias, wanted)
+        except MlflowException:
+            if _exists(client, name, wanted):
+                raise
+            # the version the rule named was deleted since it was read (a racer that registered the same
+            # key dropped its own, keep_first_of_key): evaluate again
     return held
+
+
+def _exists(client: Any, name: str, version: str) -> bool:
+    try:
+        client.get_model_version(name, version)
+        return True
+    except MlflowException:
+        return False
 
 
 def settle_candidate(client: Any, name: str) -> str | None:

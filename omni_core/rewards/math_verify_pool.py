@@ -22,7 +22,7 @@ import logging
 import multiprocessing
 import os
 import threading
-from concurrent.futures import ProcessPoolExecutor, wait
+from concurrent.futures import CancelledError, ProcessPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 
@@ -105,8 +105,8 @@ def math_verify_score(answer: str, gold: str, timeout: float = DEFAULT_TIMEOUT_S
             except FutureTimeout:
                 _kill(pool)
                 return 0.0
-            except BrokenProcessPool:  # killed under us by another call's timeout: retry
-                _kill(pool)
+            except (BrokenProcessPool, CancelledError):  # killed under us by another call's timeout (its
+                _kill(pool)  # shutdown cancels the calls still queued): retry on a fresh pool
             except Exception:  # an error inside Math-Verify scores 0
                 return 0.0
     return 0.0
