@@ -165,6 +165,23 @@ def _wrapper_python(tmp_path: Path) -> Path:
     return wrapper
 
 
+def _verl_omni_pipeline(tmp_path: Path, address: str, tracking: str, wrapper: Path, shared: Path,
+                        more_stages: tuple[dict, ...] = (), **gspo: object) -> object:
+    """ingest MMK12 -> a `gspo` stage on VeRL-Omni's MMK12 recipe whose job python is `wrapper`."""
+    from omni_core.config import validate_pipeline
+
+    return validate_pipeline({
+        "name": "vo", "store": str(tmp_path / "store"), "tracking_uri": tracking, "ray": {"address": address},
+        "datasets": {"mmk12": {"source": "fixtures://mmk12?rows=4&seed=0", "converter": "mmk12"}},
+        "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["mmk12"]},
+                   {"name": "gspo", "kind": "rl", "after": ["ingest"], "model": "tiny://lm", "data": "mmk12:train",
+                    "algorithm": {"name": "gspo"}, "trainer": {"total_steps": 2}, **gspo,
+                    "backend": {"name": "verl_omni", "recipe": "qwen3-omni-thinker-gspo-mmk12",
+                                "shared_dir": str(shared), "python": str(wrapper),
+                                "entrypoint_resources": {"entrypoint_num_cpus": 1}}},
+                   *more_stages]})
+
+
 def test_a_verl_omni_recipes_own_validation_goes_through_the_job_path_up_to_the_jobs_start(
         ray_jobs, tmp_path, omni_cache, mlflow_db):
     """An eval stage with `engine: trainer` after a verl_omni stage: the recipe's final checkpoint (in the
@@ -172,25 +189,14 @@ def test_a_verl_omni_recipes_own_validation_goes_through_the_job_path_up_to_the_
     shared path and the recipe's val-only command submitted with the eval run in its env. The job's
     python fails importing verl_omni (no GPUs here), which the eval stage reports."""
     from omni_core.backends.jobs.runner import JobError
-    from omni_core.config import validate_pipeline
     from omni_core.pipeline.run import PipelineRun
     from omni_core.training import rl_run_key
     from omni_core.training.checkpoint import LATEST, MANIFEST, stage_prefix
 
     wrapper, shared = _wrapper_python(tmp_path), tmp_path / "shared"
     tracking = mlflow_db(tmp_path / "mlflow.db")
-    config = validate_pipeline({
-        "name": "vo", "store": str(tmp_path / "store"), "tracking_uri": tracking,
-        "ray": {"address": ray_jobs.get_address()},
-        "datasets": {"mmk12": {"source": "fixtures://mmk12?rows=4&seed=0", "converter": "mmk12"}},
-        "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["mmk12"]},
-                   {"name": "gspo", "kind": "rl", "after": ["ingest"], "model": "tiny://lm", "data": "mmk12:train",
-                    "algorithm": {"name": "gspo"}, "trainer": {"total_steps": 2},
-                    "backend": {"name": "verl_omni", "recipe": "qwen3-omni-thinker-gspo-mmk12",
-                                "shared_dir": str(shared), "python": str(wrapper),
-                                "entrypoint_resources": {"entrypoint_num_cpus": 1}}},
-                   {"name": "eval", "kind": "eval", "after": ["gspo"], "data": "mmk12:test", "engine": "trainer",
-                    "max_rows": 2}]})
+    config = _verl_omni_pipeline(tmp_path, ray_jobs.get_address(), tracking, wrapper, shared, more_stages=(
+        {"name": "eval", "kind": "eval", "after": ["gspo"], "data": "mmk12:test", "engine": "trainer", "max_rows": 2},))
     store = Store(config.store)
     lines: list[str] = []
     run = PipelineRun.start(config, progress=lines.append)
@@ -239,22 +245,12 @@ def test_a_verl_omni_recipe_stage_goes_through_the_job_path_up_to_the_jobs_start
     it got, then fails importing verl_omni, which the stage reports as such."""
     from omni_core.backends.jobs.runner import JobError
     from omni_core.backends.verl_omni.stage import paths_for, recipe_command
-    from omni_core.config import validate_pipeline
     from omni_core.pipeline.run import PipelineRun
 
     wrapper, shared = _wrapper_python(tmp_path), tmp_path / "shared"
     tracking = mlflow_db(tmp_path / "mlflow.db")
-    config = validate_pipeline({
-        "name": "vo", "store": str(tmp_path / "store"), "tracking_uri": tracking,
-        "ray": {"address": ray_jobs.get_address()},
-        "datasets": {"mmk12": {"source": "fixtures://mmk12?rows=4&seed=0", "converter": "mmk12"}},
-        "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["mmk12"]},
-                   {"name": "gspo", "kind": "rl", "after": ["ingest"], "model": "tiny://lm", "data": "mmk12:train",
-                    "algorithm": {"name": "gspo"}, "rollout": {"n": 2}, "trainer": {"total_steps": 2},
-                    "checkpoint": {"save_freq": 1},
-                    "backend": {"name": "verl_omni", "recipe": "qwen3-omni-thinker-gspo-mmk12",
-                                "shared_dir": str(shared), "python": str(wrapper),
-                                "entrypoint_resources": {"entrypoint_num_cpus": 1}}}]})
+    config = _verl_omni_pipeline(tmp_path, ray_jobs.get_address(), tracking, wrapper, shared,
+                                 rollout={"n": 2}, checkpoint={"save_freq": 1})
     lines: list[str] = []
     run = PipelineRun.start(config, progress=lines.append)
     try:

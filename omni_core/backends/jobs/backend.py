@@ -11,13 +11,30 @@ from omni_core.backends.jobs.options import job_retries
 
 
 class JobBackend:
-    """Base of a backend whose trainer runs as a Ray Job; a subclass sets `name`, `check`, `plan` and
-    `trainer()` (its omni_core.backends.jobs.runner.JobTrainer)."""
+    """Base of a backend whose trainer runs as a Ray Job; a subclass sets `name`, `check`, `plan`,
+    `trainer()` (its omni_core.backends.jobs.runner.JobTrainer) and `validation`, the module with its
+    `validation_problem`, `plan_validation` and `validate` (an eval's `engine: trainer`), imported
+    when asked."""
 
     name = ""
+    validation = ""
 
     def trainer(self) -> Any:
         raise NotImplementedError
+
+    def _validation(self) -> Any:
+        import importlib
+
+        return importlib.import_module(self.validation)
+
+    def validation_problem(self, eval_stage: Any, trained: Any) -> str | None:
+        return self._validation().validation_problem(eval_stage, trained)
+
+    def plan_validation(self, eval_stage: Any, trained: Any, config: Any) -> dict[str, Any]:
+        return self._validation().plan_validation(eval_stage, trained, config)
+
+    def validate(self, validation: Any) -> dict[str, Any]:
+        return self._validation().validate(validation)
 
     def run(self, run: TrainingRun) -> Any:
         from omni_core.backends.jobs.runner import JobInputs, run_job

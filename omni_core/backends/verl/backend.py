@@ -11,6 +11,7 @@ from omni_core.backends.jobs.options import cluster_problem
 
 class VerlJobBackend(JobBackend):
     name = "verl"
+    validation = "omni_core.backends.verl.validation"
 
     def check(self, stage: Any, config: Any) -> str | None:
         from omni_core.backends.verl.stage import verl_problem
@@ -26,21 +27,6 @@ class VerlJobBackend(JobBackend):
                    model_uri=planned.model, tracking_uri=config.tracking_uri, ray_address=config.ray.address)
         return {"does": f"runs verl's {job['task']} trainer as Ray Job {job['submission_id']} on {config.ray.address} "
                         f"for {stage.trainer.total_steps} steps on {planned.data} from {planned.model}", **job}
-
-    def validation_problem(self, eval_stage: Any, trained: Any) -> str | None:
-        from omni_core.backends.verl.validation import validation_problem
-
-        return validation_problem(eval_stage, trained)
-
-    def plan_validation(self, eval_stage: Any, trained: Any, config: Any) -> dict[str, Any]:
-        from omni_core.backends.verl.validation import plan_validation
-
-        return plan_validation(eval_stage, trained, config)
-
-    def validate(self, validation: Any) -> dict[str, Any]:
-        from omni_core.backends.verl.validation import validate
-
-        return validate(validation)
 
     def trainer(self) -> Any:
         from omni_core.backends.verl.runner import VerlTrainer

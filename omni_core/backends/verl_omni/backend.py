@@ -11,6 +11,7 @@ from omni_core.backends.jobs.options import cluster_problem
 
 class VerlOmniJobBackend(JobBackend):
     name = "verl_omni"
+    validation = "omni_core.backends.verl_omni.validation"
 
     def check(self, stage: Any, config: Any) -> str | None:
         from omni_core.backends.verl_omni.stage import verl_omni_problem
@@ -27,21 +28,6 @@ class VerlOmniJobBackend(JobBackend):
                    tracking_uri=config.tracking_uri, ray_address=config.ray.address)
         return {"does": f"runs VeRL-Omni recipe {job['task']} as Ray Job {job['submission_id']} on "
                         f"{config.ray.address} on {planned.data} from {job['stages']['model']['from']}", **job}
-
-    def validation_problem(self, eval_stage: Any, trained: Any) -> str | None:
-        from omni_core.backends.verl_omni.validation import validation_problem
-
-        return validation_problem(eval_stage, trained)
-
-    def plan_validation(self, eval_stage: Any, trained: Any, config: Any) -> dict[str, Any]:
-        from omni_core.backends.verl_omni.validation import plan_validation
-
-        return plan_validation(eval_stage, trained, config)
-
-    def validate(self, validation: Any) -> dict[str, Any]:
-        from omni_core.backends.verl_omni.validation import validate
-
-        return validate(validation)
 
     def trainer(self) -> Any:
         from omni_core.backends.verl_omni.runner import RecipeTrainer
