@@ -36,8 +36,9 @@ REWARD = '''def score(data_source, solution_str, ground_truth, extra_info=None):
 
 def digits_pipeline(workdir: Path, *, name: str, store: str, tracking_uri: str, seed: int, model_name: str,
                     samples: int, register: dict[str, Any] | None = None) -> dict[str, Any]:
-    """configs/eval_register.yaml, smaller: 16 digits rows, 2 steps of 2 prompts x 2 responses, the
-    reward above (written to workdir/reward.py); `register`: more options of the register stage."""
+    """configs/eval_register.yaml, smaller: 16 digits rows, 2 steps of 2 prompts x 2 responses scored on
+    the rollout worker, the reward above (written to workdir/reward.py); `register`: more options of the
+    register stage."""
     reward = workdir / "reward.py"
     reward.write_text(REWARD)
     return {
@@ -48,7 +49,9 @@ def digits_pipeline(workdir: Path, *, name: str, store: str, tracking_uri: str, 
             {"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
             {"name": "rl", "kind": "rl", "after": ["ingest"], "model": "tiny://lm", "data": "digits:train",
              "rollout": {"n": 2, "max_new_tokens": 6}, "reward": {"name": f"{reward}:score"},
-             "trainer": {"total_steps": 2, "batch_size": 2, "lr": 1e-2}},
+             "trainer": {"total_steps": 2, "batch_size": 2, "lr": 1e-2},
+             # the rollout worker scores its own batch: no reward actor, one process less to start per run
+             "execution": {"async_reward": False}},
             {"name": "eval", "kind": "eval", "after": ["rl"], "data": "digits:test", "max_new_tokens": 6,
              "reward": {"name": f"{reward}:score"}, "samples": samples},
             {"name": "register", "kind": "register", "after": ["eval"], "model_name": model_name,

@@ -2,7 +2,7 @@
 stage keys onto recipe options, the plan (`omni plan --json`), and the two example pipelines
 (configs/verl_omni_*.yaml): both validate, their verl_omni stages render the pinned scripts' commands
 after our substitutions, the native override of each plans, and the Qwen-Image OCR one runs natively
-on CPU (1 FlowGRPO step of tiny://sd3). The job path on a real Ray head is in test_backend_verl_job.py."""
+on CPU (1 FlowGRPO step of tiny://sd3). The job path on a real Ray head is in verl_jobs.py."""
 
 from __future__ import annotations
 

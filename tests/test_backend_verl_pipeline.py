@@ -34,9 +34,14 @@ import yaml
 from mlflow import MlflowClient
 from mlflow_server import mlflow_server  # noqa: F401 - fixture
 from pipeline_runs import run_in_order
-from test_backend_verl_job import ray_jobs  # noqa: F401 - fixture
 from typer.testing import CliRunner
 from verl_env import verl_python
+from verl_jobs import (  # noqa: F401 - the job-path tests, collected here: they share this module's Ray head
+    ray_jobs,
+    test_a_verl_omni_recipe_stage_goes_through_the_job_path_up_to_the_jobs_start,
+    test_a_verl_omni_recipes_own_validation_goes_through_the_job_path_up_to_the_jobs_start,
+    test_job_submission_finds_a_finished_job_and_stops_one_on_ctrl_c,
+)
 
 from omni_core.backends.jobs.job import STEP_LINE
 from omni_core.backends.verl.stage import REWARD_FILES
@@ -122,7 +127,7 @@ def uninterrupted(ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  # noqa: 
         ]})
     lines: list[str] = []
     run = run_in_order(config, progress=lines.append)
-    return {"run": run, "lines": lines, "store_uri": store_uri}
+    return {"run": run, "lines": lines, "store_uri": store_uri, "shared": shared}
 
 
 def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs, tmp_path):  # noqa: F811
@@ -144,6 +149,10 @@ def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs
     assert "-m verl.trainer.sft_trainer" in tags["omni.verl.command"]
     artifacts = [a.path for a in client.list_artifacts(sft.mlflow_run_id, "verl")]
     assert "verl/command.json" in artifacts and any(p.endswith(".log") for p in artifacts)
+    # verl logged through the job's runtime env (our run's id), and Hydra's run folder is beside the checkpoints
+    job_env = ray_jobs.get_job_info(tags["omni.verl.submission_id"]).runtime_env["env_vars"]
+    assert job_env["MLFLOW_RUN_ID"] == sft.mlflow_run_id and job_env["MLFLOW_TRACKING_URI"] == mlflow_server.url
+    assert list((uninterrupted["shared"] / "runs" / "verl-e2e" / out["run_key"] / "sft").glob("hydra/*/.hydra/config.yaml"))
 
     store = Store(store_uri)
     root = stage_prefix("verl-e2e", out["run_key"], "sft")

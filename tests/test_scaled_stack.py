@@ -4,10 +4,11 @@ Prefect's, MLflow's and MLflow's user store's databases; `prefect server` on it 
 a Prefect process worker; `mlflow server --app-name basic-auth` on it with artifacts on S3; moto as
 S3 with IAM auth (only the IAM key it issued is let in); a two-node Ray cluster with token auth
 whose nodes lack the driver's S3 variables. Then:
-`omni deploy`, a run of `pipeline/local` created through the Prefect API (as the UI's Run button
-does) pointing the digits pipeline (ingest -> rl -> eval -> register) at the S3 store, the MLflow
-server and the cluster; it completes, the rl stage's actors ran on the cluster's worker node, the
-registered model's lineage and `omni verify --store s3://...` pass. Faults: Postgres restarted
+`omni deploy`, a sweep of four runs of `pipeline/local` created at once through the Prefect API (as
+the UI's Run button does) pointing the digits pipeline (ingest -> rl -> eval -> register) at the S3
+store, the MLflow server and the cluster (tests/test_concurrency.py's sweep); they complete, the rl
+stage's actors ran on the cluster's worker node, the registry holds one version per distinct
+checkpoint, the registered model's lineage and `omni verify --store s3://...` pass. Faults: Postgres restarted
 while the servers run (the next run succeeds, no earlier run lost); unauthenticated calls refused
 by Prefect, MLflow and the Ray job server; no secret in a dump of the databases or in a log (the
 servers', the worker's, Postgres', every Ray log); the worker node's raylet SIGKILLed during a
@@ -15,7 +16,7 @@ training, a replacement node started: the stage resumes from its last checkpoint
 weights of an uninterrupted run; the Prefect worker SIGKILLed (with its flow run's process, as when
 its host dies) during a deployment run, then started again: `omni deploy`'s automation marks the run
 Crashed when its heartbeats stop, and a re-run takes ingest from the stage cache and trains rl on
-from its last committed checkpoint, no step trained twice beyond it.
+from its last committed checkpoint, no step trained twice beyond it, to the uninterrupted weights.
 About 10 minutes on a busy 2-core machine (the stack ~3 of them, its servers started side by side)."""
 
 from __future__ import annotations
@@ -156,26 +157,23 @@ def run_deployment(stack: dict, parameters: dict, timeout: float = 540) -> Any:
     return wait_final(stack, create_run(stack, parameters).id, timeout)
 
 
-def pipeline_file(stack: dict, seed: int) -> Path:
-    workdir = stack["folder"] / f"p{seed}"
-    workdir.mkdir(exist_ok=True)
-    config = digits_pipeline(workdir, name="stack", store=f"s3://{stack['bucket']}/omni",
-                             tracking_uri=stack["mlflow"].url, seed=seed, model_name="stack-digits", samples=4)
-    config["ray"] = {"address": stack["cluster"].address}
-    path = workdir / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
 def omni(stack: dict, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=stack["env"],
                           capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
-def first_run(stack: dict) -> Any:
-    path = pipeline_file(stack, seed=0)
-    return path, run_deployment(stack, {"pipeline_file": str(path), "overrides": []})
+def sweep(stack: dict) -> dict:
+    """tests/test_concurrency.py's sweep on the stack, the module's one run of the pipeline deployment:
+    four runs created at once through the API (three pipelines differing in seed and lr, one an exact
+    duplicate of the first), one S3 store, the Postgres-backed MLflow server, the cluster."""
+    store = f"s3://{stack['bucket']}/sweep"
+    paths = sweep_configs(stack["folder"] / "sweep", store=store, tracking_uri=stack["mlflow"].url,
+                          model_name="stack-sweep", ray_address=stack["cluster"].address, name="stack-sweep")
+    created = [create_run(stack, {"pipeline_file": str(p), "overrides": []}) for p in paths]
+    with ThreadPoolExecutor(len(created)) as pool:
+        finals = list(pool.map(lambda run: wait_final(stack, run.id), created))
+    return {"store": store, "paths": paths, "finals": finals}
 
 
 def test_unauthenticated_calls_are_refused(stack: dict) -> None:
@@ -185,8 +183,8 @@ def test_unauthenticated_calls_are_refused(stack: dict) -> None:
     assert httpx.get(f"{stack['cluster'].job_server}/api/jobs/", timeout=30).status_code == 401
 
 
-def test_a_deployment_run_on_the_stack_completes_on_the_cluster(stack: dict, first_run: Any) -> None:
-    path, run = first_run
+def test_a_deployment_run_on_the_stack_completes_on_the_cluster(stack: dict, sweep: dict) -> None:
+    path, run = sweep["paths"][0], sweep["finals"][0]
     assert run.state.is_completed(), f"{run.state}: {stack['worker_log'].read_text()[-4000:]}"
     # the rl stage's actors ran on the cluster, on its worker node (the head has 1 CPU, no room)
     cluster = stack["cluster"]
@@ -196,60 +194,14 @@ def test_a_deployment_run_on_the_stack_completes_on_the_cluster(stack: dict, fir
     trainers = [a for a in actors if a.get("class_name") == "TrainerWorker"]
     nodes = {n["raylet"]["nodeId"] for n in cluster.alive_nodes()}
     assert trainers and all(a["node_id"] in nodes for a in trainers), trainers
-    lineage = omni(stack, "lineage", "models:/stack-digits", "--pipeline", str(path), "--json")
+    lineage = omni(stack, "lineage", "models:/stack-sweep", "--pipeline", str(path), "--json")
     assert lineage.returncode == 0, lineage.stdout + lineage.stderr
-    verify = omni(stack, "verify", "--store", f"s3://{stack['bucket']}/omni")
-    assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
-def test_postgres_restarted_next_run_succeeds_and_no_run_is_lost(stack: dict, first_run: Any) -> None:
-    _, first = first_run
-    stack["pg"].restart()  # the Prefect and MLflow servers keep running
-    path = pipeline_file(stack, seed=0)  # the same pipeline: its stages come from the stage cache
-    again = run_deployment(stack, {"pipeline_file": str(path), "overrides": []})
-    assert again.state.is_completed(), f"{again.state}: {stack['worker_log'].read_text()[-4000:]}"
-    with api(stack) as client:
-        assert client.read_flow_run(first.id).state.is_completed()
-    from mlflow import MlflowClient
-
-    os.environ.update(stack["mlflow"].client_env())
-    try:
-        client = MlflowClient(stack["mlflow"].url)
-        runs = client.search_runs([client.get_experiment_by_name("stack").experiment_id],
-                                  filter_string="attributes.status = 'FINISHED'")
-    finally:
-        for name in stack["mlflow"].client_env():
-            os.environ.pop(name, None)
-    assert len({r.data.tags.get("omni.prefect.flow_run_id", r.info.run_id) for r in runs}) >= 2
-
-
-def test_no_secret_in_a_database_dump_or_a_log(stack: dict, first_run: Any) -> None:
-    pg = stack["pg"]
-    texts = {f"pg_dump {db}": pg.dump(db) for db in ("prefect", "mlflow", "mlflow_auth")}
-    ray_logs = [p for p in Path(stack["cluster"].temp).glob("session_*/logs/*") if p.is_file()]
-    assert ray_logs
-    logs = [stack["prefect"].log, stack["mlflow"].log, stack["worker_log"], *stack["cluster"].logs,
-            pg.folder / "postgres.log", *ray_logs]
-    texts.update({str(p): p.read_text(errors="replace") for p in logs})
-    values = {name: value for name, value in stack["secrets"].items()}
-    values["prefect"] = values["prefect"].split(":", 1)[1]
-    for where, text in texts.items():
-        for name, value in values.items():
-            assert value not in text, f"the {name} secret is in {where}"
-    assert "pipeline/local" in stack["deploy_out"]
-
-
-def test_a_sweep_of_four_runs_at_once_on_the_stack(stack: dict) -> None:
-    """tests/test_concurrency.py's sweep on the stack: four deployment runs created at once (three
-    pipelines differing in seed and lr, one an exact duplicate of the first), one S3 store, the
-    Postgres-backed MLflow server, the cluster; all complete, the registry holds one version per distinct
-    checkpoint with `candidate` and `champion` settled, lineage and `omni verify` pass."""
-    store = f"s3://{stack['bucket']}/sweep"
-    paths = sweep_configs(stack["folder"] / "sweep", store=store, tracking_uri=stack["mlflow"].url,
-                          model_name="stack-sweep", ray_address=stack["cluster"].address, name="stack-sweep")
-    created = [create_run(stack, {"pipeline_file": str(p), "overrides": []}) for p in paths]
-    with ThreadPoolExecutor(len(created)) as pool:
-        finals = list(pool.map(lambda run: wait_final(stack, run.id), created))
+def test_a_sweep_of_four_runs_at_once_on_the_stack(stack: dict, sweep: dict) -> None:
+    """All four complete, the registry holds one version per distinct checkpoint with `candidate` and
+    `champion` settled, lineage and `omni verify` pass. (Before the Postgres restart's re-run adds a run.)"""
+    store, paths, finals = sweep["store"], sweep["paths"], sweep["finals"]
     assert all(run.state.is_completed() for run in finals), \
         f"{[str(r.state) for r in finals]}: {stack['worker_log'].read_text()[-4000:]}"
     from mlflow import MlflowClient
@@ -266,16 +218,56 @@ def test_a_sweep_of_four_runs_at_once_on_the_stack(stack: dict) -> None:
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
-def fault_pipeline(stack: dict, store: str, address: str) -> Path:
-    workdir = stack["folder"] / f"fault-{address.replace(':', '-').replace('.', '-')}"
+def test_postgres_restarted_next_run_succeeds_and_no_run_is_lost(stack: dict, sweep: dict) -> None:
+    first = sweep["finals"][0]
+    stack["pg"].restart()  # the Prefect and MLflow servers keep running
+    # the sweep's first pipeline again: its stages come from the stage cache
+    again = run_deployment(stack, {"pipeline_file": str(sweep["paths"][0]), "overrides": []})
+    assert again.state.is_completed(), f"{again.state}: {stack['worker_log'].read_text()[-4000:]}"
+    with api(stack) as client:
+        assert client.read_flow_run(first.id).state.is_completed()
+    from mlflow import MlflowClient
+
+    os.environ.update(stack["mlflow"].client_env())
+    try:
+        client = MlflowClient(stack["mlflow"].url)
+        runs = client.search_runs([client.get_experiment_by_name("stack-sweep").experiment_id],
+                                  filter_string="attributes.status = 'FINISHED'")
+    finally:
+        for name in stack["mlflow"].client_env():
+            os.environ.pop(name, None)
+    flow_runs = {r.data.tags.get("prefect.flow_run_id") for r in runs}
+    assert {str(run.id) for run in sweep["finals"]} | {str(again.id)} <= flow_runs, flow_runs
+
+
+def test_no_secret_in_a_database_dump_or_a_log(stack: dict, sweep: dict) -> None:
+    pg = stack["pg"]
+    texts = {f"pg_dump {db}": pg.dump(db) for db in ("prefect", "mlflow", "mlflow_auth")}
+    ray_logs = [p for p in Path(stack["cluster"].temp).glob("session_*/logs/*") if p.is_file()]
+    assert ray_logs
+    logs = [stack["prefect"].log, stack["mlflow"].log, stack["worker_log"], *stack["cluster"].logs,
+            pg.folder / "postgres.log", *ray_logs]
+    texts.update({str(p): p.read_text(errors="replace") for p in logs})
+    values = {name: value for name, value in stack["secrets"].items()}
+    values["prefect"] = values["prefect"].split(":", 1)[1]
+    for where, text in texts.items():
+        for name, value in values.items():
+            assert value not in text, f"the {name} secret is in {where}"
+    assert "pipeline/local" in stack["deploy_out"]
+
+
+def fault_pipeline(stack: dict, store: str, address: str, name: str = "stack-fault") -> Path:
+    """ingest -> rl (6 steps, a checkpoint each) -> eval -> register; the rl stage is the same wherever it
+    runs (`address`), so every run of it ends with the same weights."""
+    workdir = stack["folder"] / f"{name}-{address.replace(':', '-').replace('.', '-')}"
     workdir.mkdir(exist_ok=True)
-    config = digits_pipeline(workdir, name="stack-fault", store=store, tracking_uri=stack["mlflow"].url, seed=5,
-                             model_name="stack-fault", samples=4)
+    config = digits_pipeline(workdir, name=name, store=store, tracking_uri=stack["mlflow"].url, seed=5,
+                             model_name=name, samples=4)
     config["ray"] = {"address": address, **({"num_cpus": 2} if address == "local" else {})}
     rl = next(s for s in config["stages"] if s["name"] == "rl")
     rl["trainer"]["total_steps"] = 6
     rl["checkpoint"] = {"save_freq": 1}
-    rl["execution"] = {"retry_backoff_s": 1.0}
+    rl["execution"]["retry_backoff_s"] = 1.0
     if address != "local":  # every actor on a worker node (the head has no omni_worker)
         rl["resources"] = {role: {"CPU": 1 if role != "reward" else 0, "omni_worker": 1}
                            for role in ("trainer", "rollout", "reward")}
@@ -348,6 +340,7 @@ def test_a_worker_node_lost_during_training_resumes_and_ends_with_the_same_weigh
     uninterrupted = last_json(local_out)
     assert uninterrupted["recoveries"] == 0
     assert result["weights_sha256"] == uninterrupted["weights_sha256"]
+    stack["uninterrupted_weights"] = uninterrupted["weights_sha256"]  # the crashed flow's re-run ends there too
 
 
 def mlflow_runs(stack: dict, experiment: str, filter_string: str) -> list[Any]:
@@ -376,23 +369,17 @@ def test_the_worker_killed_during_a_run_crashes_it_and_a_rerun_resumes_from_the_
     """Last in the module: it replaces the worker. The worker and its flow run's process SIGKILLed
     once rl committed a checkpoint (its host died); Prefect marks the run Crashed when its heartbeats
     stop (`omni deploy`'s automation); the worker started again, a re-run of the deployment takes
-    ingest from the stage cache, and rl trains from the last committed checkpoint on. (The pipeline
-    is ingest -> rl: what comes after rl proves nothing here.)"""
+    ingest from the stage cache, and rl trains from the last committed checkpoint on, to the weights
+    of the uninterrupted run of the same stage (the node-loss test's). (The pipeline is ingest -> rl:
+    what comes after rl proves nothing here.)"""
     import psutil
 
     from omni_core.storage import Store
 
-    workdir = stack["folder"] / "crash"
-    workdir.mkdir()
     store = f"s3://{stack['bucket']}/crash"
-    config = digits_pipeline(workdir, name="stack-crash", store=store, tracking_uri=stack["mlflow"].url, seed=7,
-                             model_name="stack-crash", samples=2)
-    config["ray"] = {"address": stack["cluster"].address}
+    path = fault_pipeline(stack, store, stack["cluster"].address, name="stack-crash")
+    config = yaml.safe_load(path.read_text())
     config["stages"] = [s for s in config["stages"] if s["name"] in ("ingest", "rl")]
-    rl = next(s for s in config["stages"] if s["name"] == "rl")
-    rl["trainer"]["total_steps"] = 4
-    rl["checkpoint"] = {"save_freq": 1}
-    path = workdir / "pipeline.yaml"
     path.write_text(yaml.safe_dump(config))
     parameters = {"pipeline_file": str(path), "overrides": []}
     first = create_run(stack, parameters)
@@ -419,7 +406,7 @@ def test_the_worker_killed_during_a_run_crashes_it_and_a_rerun_resumes_from_the_
             time.sleep(0.5)
         committed = max(int(k.split("global_step_")[1].split("/")[0]) for k in s3.list("runs/stack-crash")
                         if k.endswith("/_manifest.json") and "global_step_" in k)
-    assert committed < 4, "the training finished before the worker was killed: nothing to resume"
+    assert committed < 6, "the training finished before the worker was killed: nothing to resume"
     # the re-run, created while Prefect has yet to notice the crash (it runs meanwhile: the automation
     # waits two missed heartbeats, 60 s, for nothing the re-run needs)
     again = create_run(stack, parameters)
@@ -432,4 +419,7 @@ def test_the_worker_killed_during_a_run_crashes_it_and_a_rerun_resumes_from_the_
     assert by_stage["ingest"][0].data.tags["omni.stage_cache"] == "hit", by_stage["ingest"][0].data.tags
     rl_run, steps = by_stage["rl"]
     assert rl_run.data.tags["omni.resumed_from_step"] == str(committed), rl_run.data.tags
-    assert steps == set(range(committed + 1, 5)), steps  # nothing before the checkpoint trained again
+    assert steps == set(range(committed + 1, 7)), steps  # nothing before the checkpoint trained again
+    # ... and a new driver resumed to the weights of an uninterrupted run (the node-loss test's)
+    assert stack.get("uninterrupted_weights"), "the node-loss test, which runs the same stage uninterrupted, failed"
+    assert rl_run.data.tags["omni.checkpoint_sha256"] == stack["uninterrupted_weights"]
