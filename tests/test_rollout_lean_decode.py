@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from omni_core.errors import ConfigError
-from omni_core.evaluation.text import engine_responses, generate_responses, lean_responses
+from omni_core.evaluation.text import encode_batch, engine_responses, generate_responses, lean_responses
 from omni_core.models import load_model
 from omni_core.rollout import EngineConfig, RolloutRequest, lean_decode
 from omni_core.rollout.autoregressive import ARengine, ARSampling
@@ -56,6 +56,12 @@ def test_greedy_is_the_engines_and_generates(lm) -> None:
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id)
     assert lean[:3] == tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("max_prompt_tokens", [64, 12])
+def test_the_lean_path_encodes_its_rows_as_the_engine(lm, max_prompt_tokens: int) -> None:
+    _, tokenizer = lm
+    assert encode_batch(tokenizer, ROWS, max_prompt_tokens) == encode_prompts(tokenizer, ROWS, max_prompt_tokens)
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
