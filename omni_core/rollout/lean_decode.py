@@ -17,7 +17,20 @@ the k-th uniform of the request's own generator), so a response depends on its p
 weights as with the engine. Finished responses stay in the batch until they are half of it, then
 leave it (the engine drops each at once; HF `generate` keeps them to the end).
 
-`supports` says which models this covers (what `_State.step` assumes); others go through `ARengine`.
+Speculative decoding (by default; `speculate=0`: one token a step): even written out, a step at batch 64
+costs ~1 ms, most of it per-kernel work that hardly grows with the tokens a forward takes. So each
+forward takes every row's last token and up to `SPECULATE` draft tokens proposed by prompt lookup
+(vLLM's `ngram` method: the tokens that followed the latest earlier occurrence of the row's last few
+tokens in its prompt and response), attending at each row's own positions (per-row rotary angles, K/V
+columns and mask). A token is drawn at every position by the same rule, with the uniform of its
+response position, so the drafts kept (those equal to the token drawn at their position, up to the
+first that is not) and the token drawn after them are the tokens one step at a time would draw:
+exact for greedy and sampling alike. The logits of a several-token forward may differ from one-token
+steps by a float rounding (SDPA's kernel over several queries; the tests check the argmax and the
+responses). Rows then advance by different amounts. The number of drafts adapts to how many are kept
+(`_depth`): drafts that are never kept would make each forward several tokens' work for one.
+
+`supports` says which models this covers (what `_State` assumes); others go through `ARengine`.
 """
 
 from __future__ import annotations
@@ -48,7 +61,7 @@ def supports(model: Any, text_io: Any) -> bool:
             and config.hidden_act == "silu" and not config.attention_bias)
 
 
-SPECULATE = 8  # draft tokens per row and verify step; 0: one token per step
+SPECULATE = 8  # the most draft tokens per row and forward (module docstring)
 NGRAM = 3  # the longest n-gram matched for a draft (then shorter ones, down to one token)
 PROBE = 8  # forwards without drafts before drafting again (`_depth`)
 
@@ -292,18 +305,20 @@ class _State:
         seen = self.real[:, None, :length] & (torch.arange(length, device=tokens.device) <= columns[..., None])
         at = torch.arange(batch, device=tokens.device)[:, None]
         cos, sin = self.cos[at, index][:, None], self.sin[at, index][:, None]  # [B, 1, Q, D]
-        return self._forward(tokens, cos, sin, self._additive(seen), columns, last=False)
+        # the K/V rows [B, kv_heads, Q] in a cache viewed as [B * kv_heads * length, D]
+        heads = at[..., None] * self.kv_heads + torch.arange(self.kv_heads, device=tokens.device)[:, None]
+        rows = (heads * self.keys[0].shape[2] + columns[:, None]).flatten()
+        return self._forward(tokens, cos, sin, self._additive(seen), rows, last=False)
 
     def _forward(self, tokens: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, at: int | Tensor,
                  last: bool = True) -> Tensor:
         """`Qwen3ForCausalLM`'s forward of `tokens` [B, Q] over the cache: logits [B, Q, V] (of the last
-        token only [B, 1, V] with `last`, as `logits_to_keep=1`). Their K/V
-        are written at column `at` on (the same for every row), or at columns `at` [B, Q]; the keys
-        attended to are the columns up to the last written, `mask` [B, 1, rows, length] (or None)
-        saying which."""
+        token only [B, 1, V] with `last`, as `logits_to_keep=1`). Their K/V are written at column `at` on
+        (the same for every row), or at the cache rows `at` (`_write`); the keys attended to are the
+        columns up to the last written (`mask`'s width [B, 1, rows, length]), or None: all of them."""
         batch, queries = tokens.shape
         dim, heads, kv_heads, eps = self.head_dim, self.heads, self.kv_heads, self.eps
-        length = at + queries if isinstance(at, int) else mask.shape[-1]
+        length = at + queries if isinstance(at, int) else mask.shape[-1]  # a verify always has a mask
         x = F.embedding(tokens, self.embed)
         for i, w in enumerate(self.layers):
             qkv = F.linear(_rms(x, w.input_norm, eps), w.qkv).view(batch, queries, -1, dim)
@@ -328,11 +343,12 @@ class _State:
 
 
 def _write(cache: Tensor, at: int | Tensor, new: Tensor) -> None:
-    """`new` [B, H, Q, D] into `cache` [B, H, length, D] at column `at` on, or at columns `at` [B, Q]."""
+    """`new` [B, H, Q, D] into `cache` [B, H, length, D] at column `at` on, or as rows `at` [B * H * Q] of
+    the cache viewed as [B * H * length, D] (index_copy_: a third of scatter_'s time here)."""
     if isinstance(at, int):
         cache[:, :, at:at + new.shape[2]] = new
     else:
-        cache.scatter_(2, at[:, None, :, None].expand_as(new), new)
+        cache.view(-1, new.shape[-1]).index_copy_(0, at, new.reshape(-1, new.shape[-1]))
 
 
 @dataclass
