@@ -28,7 +28,10 @@ first that is not) and the token drawn after them are the tokens one step at a t
 exact for greedy and sampling alike. The logits of a several-token forward may differ from one-token
 steps by a float rounding (SDPA's kernel over several queries; the tests check the argmax and the
 responses). Rows then advance by different amounts. The number of drafts adapts to how many are kept
-(`_depth`): drafts that are never kept would make each forward several tokens' work for one.
+(`_depth`): drafts that are never kept would make each forward several tokens' work for one. By
+default only greedy decoding speculates: a random-weight model's greedy responses fall into repetition
+(tiny://lm: every draft kept), its sampled ones do not (1.0003 tokens a forward at temperature 1), and
+once rows stand at different positions a forward without drafts still costs more than a plain step.
 
 `supports` says which models this covers (what `_State` assumes); others go through `ARengine`.
 """
@@ -67,15 +70,18 @@ PROBE = 8  # forwards without drafts before drafting again (`_depth`)
 
 
 def decode(model: Any, prompts: Sequence[Sequence[int]], sampling: Any, seeds: Sequence[int],
-           eos_ids: Sequence[int], pad_id: int, *, speculate: int = SPECULATE,
+           eos_ids: Sequence[int], pad_id: int, *, speculate: int | None = None,
            stats: dict[str, int] | None = None) -> list[list[int]]:
     """The response token ids (each up to and including its first EOS) of each prompt, decoded together
     as one batch (left-padded), request i drawn with the generator seeded `seeds[i]` (unused for greedy).
-    `speculate`: draft tokens per row and step (0: one token a step). `stats`, when given, receives
+    `speculate`: the most draft tokens per row and forward (0: one token a step; default SPECULATE for
+    greedy, 0 when sampling: see the module docstring). `stats`, when given, receives
     `forwards` (decode forwards after the prefill), `row_steps` and `tokens` (summed over the rows still
     decoding at each forward): tokens / row_steps is the mean number of tokens a row gains per forward.
     `model` must pass `supports`."""
     check_sampling(sampling)
+    if speculate is None:
+        speculate = SPECULATE if sampling.greedy else 0
     was_training = model.training
     model.eval()
     try:
@@ -159,7 +165,6 @@ def _speculative(state: _State, prompt: Tensor, logits: Tensor, sampling: Any, u
     rows = torch.arange(batch, device=device)  # the prompt of each row still decoding
     known = torch.ones(batch, dtype=torch.long, device=device)
     done = torch.isin(first, eos) | (steps == 1)
-    offsets = torch.arange(speculate + 1, device=device)
     depth, idle = speculate, 0  # drafts per row in the next forward, forwards since the last draft
     while True:
         finished = int(done.sum())
@@ -170,28 +175,50 @@ def _speculative(state: _State, prompt: Tensor, logits: Tensor, sampling: Any, u
             keep = (~done).nonzero().squeeze(1)
             state.select(keep)
             rows, seq, known, done = rows[keep], seq[keep], known[keep], done[keep]
-        last = width + known - 1  # the column of each row's last token
-        # no more drafts than the longest-running row can keep
-        count = min(depth, steps - 1 - int(known.min()))
-        drafts = _propose(seq, last, count)
-        columns = last[:, None] + offsets[:count + 1]
-        seq.scatter_(1, columns[:, 1:], drafts)
-        logits = state.verify(seq.gather(1, columns), known - 1)
-        drawn, _ = draw_tokens(logits.flatten(0, 1).float(), sampling,
-                               None if uniforms is None else uniforms[rows[:, None], columns + 1 - width].flatten(),
-                               logprobs=False)
-        drawn = drawn.view(len(rows), -1)
-        accepted = (drawn[:, :-1] == drafts).cumprod(dim=1).sum(dim=1)
-        new = (accepted + 1).clamp_(max=steps - known)  # none for a row that already has all its tokens
-        seq.scatter_(1, columns + 1, drawn)
-        if stats is not None:
-            _count(stats, new[~done].sum(), (~done).sum())
-        depth, idle = _depth(depth, idle, count, float(accepted[~done].float().mean()), speculate)
-        done |= ((offsets[:count + 1] < new[:, None]) & torch.isin(drawn, eos)).any(dim=1)
-        known += new
+        least = int(known.min())
+        count = min(depth, steps - 1 - least)  # no more drafts than the longest-running row can keep
+        if count == 0 and least == int(known.max()):  # every row at the same position: a plain step
+            logits = state.step(seq[:, width + least - 1], least - 1)
+            chosen, _ = draw_tokens(logits.float(), sampling, None if uniforms is None else uniforms[rows, least],
+                                    logprobs=False)
+            seq[:, width + least] = chosen
+            if stats is not None:
+                _count(stats, (~done).sum(), (~done).sum())
+            done |= torch.isin(chosen, eos)
+            known += 1
+            depth, idle = _depth(depth, idle, 0, 0.0, speculate)
+        else:
+            new, ended, kept = _verify(state, seq, width, known, count, sampling, uniforms, rows, eos, steps, done)
+            if stats is not None:
+                _count(stats, new[~done].sum(), (~done).sum())
+            depth, idle = _depth(depth, idle, count, kept, speculate)
+            done |= ended
+            known += new
         done |= known >= steps
     tokens[rows] = seq[:, width:width + steps]
     return tokens
+
+
+def _verify(state: _State, seq: Tensor, width: int, known: Tensor, count: int, sampling: Any,
+            uniforms: Tensor | None, rows: Tensor, eos: Tensor, steps: int, done: Tensor,
+            ) -> tuple[Tensor, Tensor, float]:
+    """One speculative forward: `count` drafts per row written into `seq` after its `known` response
+    tokens, verified, the tokens drawn written over them. (the tokens each row gains, whether one of them
+    is an EOS, the mean number of drafts kept by the rows not `done`)."""
+    last = width + known - 1  # the column of each row's last token
+    columns = last[:, None] + torch.arange(count + 1, device=seq.device)
+    drafts = _propose(seq, last, count) if count else seq.new_empty(len(rows), 0)
+    seq.scatter_(1, columns[:, 1:], drafts)
+    logits = state.verify(seq.gather(1, columns), known - 1)
+    drawn, _ = draw_tokens(logits.flatten(0, 1).float(), sampling,
+                           None if uniforms is None else uniforms[rows[:, None], columns + 1 - width].flatten(),
+                           logprobs=False)
+    drawn = drawn.view(len(rows), -1)
+    seq.scatter_(1, columns + 1, drawn)
+    accepted = (drawn[:, :-1] == drafts).cumprod(dim=1).sum(dim=1)
+    new = (accepted + 1).clamp_(max=steps - known)  # none for a row that already has all its tokens
+    ended = ((torch.arange(count + 1, device=seq.device) < new[:, None]) & torch.isin(drawn, eos)).any(dim=1)
+    return new, ended, float(accepted[~done].float().mean())
 
 
 def _depth(depth: int, idle: int, count: int, kept: float, speculate: int) -> tuple[int, int]:
