@@ -6,7 +6,8 @@
   greedy, batch size 64: the eval stage's text path (`omni_core.evaluation.text.generate_responses`;
   for a text-only Qwen3 model such as this one, `omni_core.rollout.lean_decode`, else `ARengine`)
   against a plain HF `model.generate` loop over the same batches (left-padded, greedy, the same
-  max_new_tokens and rows). The responses are compared too (greedy is argmax in both).
+  max_new_tokens and rows). The responses are compared too (greedy is argmax in both), and for
+  `lean_decode` its speculation reported: decode forwards and tokens a row gains per forward.
 - images: `tiny://sd3`, 64 OCR prompts, 6 denoising steps with True-CFG (guidance 4.5), ODE
   (noise_level 0), batch size 64: the eval stage's `DiffusionEngine` path
   (`omni_core.evaluation.images.generate_images`) against a per-prompt loop (one image at a time,
@@ -88,7 +89,25 @@ def bench_text(prompts: int, repeats: int) -> dict[str, Any]:
     return {"prompts": prompts, "new_tokens": 64, "batch_size": 64, "engine_s": best["engine"],
             "hf_generate_s": best["hf_generate"], "engine_prompts_per_s": prompts / best["engine"],
             "hf_generate_prompts_per_s": prompts / best["hf_generate"],
-            "speedup": best["hf_generate"] / best["engine"], "same_responses": f"{same}/{prompts}"}
+            "speedup": best["hf_generate"] / best["engine"], "same_responses": f"{same}/{prompts}",
+            **speculation(model, tokenizer, rows, settings)}
+
+
+def speculation(model: Any, tokenizer: Any, rows: list[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:
+    """How `lean_decode`'s drafts fared on the text path's batches (one more, untimed, pass): decode forwards
+    after the prefills, and tokens a row gained per forward (1.0 without speculation)."""
+    from omni_core.evaluation.text import sampling_of
+    from omni_core.rollout import lean_decode
+    from omni_core.training.components import encode_prompts
+
+    if not lean_decode.supports(model, tokenizer):
+        return {}
+    stats: dict[str, int] = {}
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    for start in range(0, len(rows), settings["batch_size"]):
+        prompts = encode_prompts(tokenizer, rows[start:start + settings["batch_size"]], settings["max_prompt_tokens"])
+        lean_decode.decode(model, prompts, sampling_of(settings), [0] * len(prompts), [eos], pad, stats=stats)
+    return {"decode_forwards": stats["forwards"], "tokens_per_forward": stats["tokens"] / stats["row_steps"]}
 
 
 def per_prompt_loop(model: Any, rows: list[dict[str, Any]], sampler: dict[str, Any], seed: int) -> torch.Tensor:
@@ -187,7 +206,7 @@ def main() -> None:
         t = result["text"]
         print(f"text:   engine {t['engine_prompts_per_s']:.1f} prompts/s, HF generate loop "
               f"{t['hf_generate_prompts_per_s']:.1f} prompts/s: {t['speedup']:.2f}x (same responses "
-              f"{t['same_responses']})")
+              f"{t['same_responses']}; {t.get('tokens_per_forward', 1.0):.2f} tokens per row and decode forward)")
     if "images" in args.workload:
         result["images"] = bench_images(16 if args.quick else 64, args.repeats)
         i = result["images"]

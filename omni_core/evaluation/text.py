@@ -73,7 +73,7 @@ def lean_responses(model: Any, tokenizer: Any, rows: list[dict[str, Any]], setti
                    seed: int) -> list[str]:
     """`generate_responses` by `lean_decode.decode`: the engine's batches, seeds, stop and pad tokens."""
     from omni_core.rollout import lean_decode
-    from omni_core.training.components import encode_prompts, rollout_seed
+    from omni_core.training.components import rollout_seed
 
     n, size = settings["n"], settings["batch_size"]
     sampling = sampling_of(settings)
@@ -81,11 +81,21 @@ def lean_responses(model: Any, tokenizer: Any, rows: list[dict[str, Any]], setti
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     texts: list[str] = []
     for start in range(0, len(rows), size):
-        prompts = encode_prompts(tokenizer, rows[start:start + size], settings["max_prompt_tokens"])
+        prompts = encode_batch(tokenizer, rows[start:start + size], settings["max_prompt_tokens"])
         seeds = [rollout_seed(seed, 0, start + i, j) for i in range(len(prompts)) for j in range(n)]
         outputs = lean_decode.decode(model, [p for p in prompts for _ in range(n)], sampling, seeds, [eos], pad)
         texts += tokenizer.batch_decode(outputs, skip_special_tokens=True)
     return texts
+
+
+def encode_batch(tokenizer: Any, rows: list[dict[str, Any]], max_prompt_tokens: int) -> list[list[int]]:
+    """`training.components.encode_prompts`'s token ids, the rows' chat templates applied in one call: the
+    tokenizer then encodes them as one batch, in about half the time of a call per row."""
+    ids = tokenizer.apply_chat_template([list(row["prompt"]) for row in rows], add_generation_prompt=True,
+                                        tokenize=True)
+    if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
+        ids = ids["input_ids"]
+    return [list(row_ids)[-max_prompt_tokens:] for row_ids in ids]
 
 
 VLLM_OMNI = "vllm_omni"
