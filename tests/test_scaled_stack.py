@@ -16,7 +16,7 @@ training, a replacement node started: the stage resumes from its last checkpoint
 weights of an uninterrupted run; the Prefect worker SIGKILLed (with its flow run's process, as when
 its host dies) during a deployment run, then started again: `omni deploy`'s automation marks the run
 Crashed when its heartbeats stop, and a re-run takes ingest from the stage cache and trains rl on
-from its last committed checkpoint, no step trained twice beyond it, to the uninterrupted weights.
+from its last committed checkpoint, no step trained twice beyond it.
 About 10 minutes on a busy 2-core machine (the stack ~3 of them, its servers started side by side)."""
 
 from __future__ import annotations
@@ -256,18 +256,16 @@ def test_no_secret_in_a_database_dump_or_a_log(stack: dict, sweep: dict) -> None
     assert "pipeline/local" in stack["deploy_out"]
 
 
-def fault_pipeline(stack: dict, store: str, address: str, name: str = "stack-fault") -> Path:
-    """ingest -> rl (6 steps, a checkpoint each) -> eval -> register; the rl stage is the same wherever it
-    runs (`address`), so every run of it ends with the same weights."""
-    workdir = stack["folder"] / f"{name}-{address.replace(':', '-').replace('.', '-')}"
+def fault_pipeline(stack: dict, store: str, address: str) -> Path:
+    workdir = stack["folder"] / f"fault-{address.replace(':', '-').replace('.', '-')}"
     workdir.mkdir(exist_ok=True)
-    config = digits_pipeline(workdir, name=name, store=store, tracking_uri=stack["mlflow"].url, seed=5,
-                             model_name=name, samples=4)
+    config = digits_pipeline(workdir, name="stack-fault", store=store, tracking_uri=stack["mlflow"].url, seed=5,
+                             model_name="stack-fault", samples=4)
     config["ray"] = {"address": address, **({"num_cpus": 2} if address == "local" else {})}
     rl = next(s for s in config["stages"] if s["name"] == "rl")
     rl["trainer"]["total_steps"] = 6
     rl["checkpoint"] = {"save_freq": 1}
-    rl["execution"]["retry_backoff_s"] = 1.0
+    rl["execution"] = {"retry_backoff_s": 1.0}
     if address != "local":  # every actor on a worker node (the head has no omni_worker)
         rl["resources"] = {role: {"CPU": 1 if role != "reward" else 0, "omni_worker": 1}
                            for role in ("trainer", "rollout", "reward")}
@@ -340,7 +338,6 @@ def test_a_worker_node_lost_during_training_resumes_and_ends_with_the_same_weigh
     uninterrupted = last_json(local_out)
     assert uninterrupted["recoveries"] == 0
     assert result["weights_sha256"] == uninterrupted["weights_sha256"]
-    stack["uninterrupted_weights"] = uninterrupted["weights_sha256"]  # the crashed flow's re-run ends there too
 
 
 def mlflow_runs(stack: dict, experiment: str, filter_string: str) -> list[Any]:
@@ -369,17 +366,23 @@ def test_the_worker_killed_during_a_run_crashes_it_and_a_rerun_resumes_from_the_
     """Last in the module: it replaces the worker. The worker and its flow run's process SIGKILLed
     once rl committed a checkpoint (its host died); Prefect marks the run Crashed when its heartbeats
     stop (`omni deploy`'s automation); the worker started again, a re-run of the deployment takes
-    ingest from the stage cache, and rl trains from the last committed checkpoint on, to the weights
-    of the uninterrupted run of the same stage (the node-loss test's). (The pipeline is ingest -> rl:
-    what comes after rl proves nothing here.)"""
+    ingest from the stage cache, and rl trains from the last committed checkpoint on. (The pipeline
+    is ingest -> rl: what comes after rl proves nothing here.)"""
     import psutil
 
     from omni_core.storage import Store
 
+    workdir = stack["folder"] / "crash"
+    workdir.mkdir()
     store = f"s3://{stack['bucket']}/crash"
-    path = fault_pipeline(stack, store, stack["cluster"].address, name="stack-crash")
-    config = yaml.safe_load(path.read_text())
+    config = digits_pipeline(workdir, name="stack-crash", store=store, tracking_uri=stack["mlflow"].url, seed=7,
+                             model_name="stack-crash", samples=2)
+    config["ray"] = {"address": stack["cluster"].address}
     config["stages"] = [s for s in config["stages"] if s["name"] in ("ingest", "rl")]
+    rl = next(s for s in config["stages"] if s["name"] == "rl")
+    rl["trainer"]["total_steps"] = 4
+    rl["checkpoint"] = {"save_freq": 1}
+    path = workdir / "pipeline.yaml"
     path.write_text(yaml.safe_dump(config))
     parameters = {"pipeline_file": str(path), "overrides": []}
     first = create_run(stack, parameters)
@@ -406,7 +409,7 @@ def test_the_worker_killed_during_a_run_crashes_it_and_a_rerun_resumes_from_the_
             time.sleep(0.5)
         committed = max(int(k.split("global_step_")[1].split("/")[0]) for k in s3.list("runs/stack-crash")
                         if k.endswith("/_manifest.json") and "global_step_" in k)
-    assert committed < 6, "the training finished before the worker was killed: nothing to resume"
+    assert committed < 4, "the training finished before the worker was killed: nothing to resume"
     # the re-run, created while Prefect has yet to notice the crash (it runs meanwhile: the automation
     # waits two missed heartbeats, 60 s, for nothing the re-run needs)
     again = create_run(stack, parameters)
@@ -419,7 +422,4 @@ def test_the_worker_killed_during_a_run_crashes_it_and_a_rerun_resumes_from_the_
     assert by_stage["ingest"][0].data.tags["omni.stage_cache"] == "hit", by_stage["ingest"][0].data.tags
     rl_run, steps = by_stage["rl"]
     assert rl_run.data.tags["omni.resumed_from_step"] == str(committed), rl_run.data.tags
-    assert steps == set(range(committed + 1, 7)), steps  # nothing before the checkpoint trained again
-    # ... and a new driver resumed to the weights of an uninterrupted run (the node-loss test's)
-    assert stack.get("uninterrupted_weights"), "the node-loss test, which runs the same stage uninterrupted, failed"
-    assert rl_run.data.tags["omni.checkpoint_sha256"] == stack["uninterrupted_weights"]
+    assert steps == set(range(committed + 1, 5)), steps  # nothing before the checkpoint trained again

@@ -1,6 +1,5 @@
 """The Ray training-stage runner: the version schedule, checkpoints with the full state, and resume
-determinism after a SIGKILL of the trainer actor or a rollout worker. (A killed driver, resumed by the
-next run to the same weights: tests/test_scaled_stack.py, the worker-crash test.)
+determinism after a SIGKILL of the trainer actor, a rollout worker, or the driver.
 
 Every run trains `tiny://lm` on the digits fixture with a reward that varies within a group
 (tests/data/rewards.py:by_length), so the weights depend on what was generated: a resumed run that
@@ -11,11 +10,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from omni_core.config import DatasetConfig
 from omni_core.config.loader import ConfigValidationError, validate_pipeline
@@ -227,6 +229,40 @@ def test_sync_and_separate_async_train_different_weights(env: Any):
     assert policy_sha(clean_run(env, "sync")["manifest"]) != policy_sha(clean_run(env, "separate_async")["manifest"])
     # sync, one optimizer step per batch: the old log-probs always come from the update forward
     assert all(m["timing_s/old_log_prob"] == 0.0 for m in clean_run(env, "sync")["metrics"])
+
+
+def test_a_killed_driver_is_resumed_by_the_next_run(env: Any, tmp_path: Path):
+    """The driver (`python -m omni_core.training run`, with its local Ray) is SIGKILLed after step 3;
+    running the same command again resumes from global_step_2 and ends with the uninterrupted weights."""
+    clean = clean_run(env, "sync")
+    store = tmp_path / "store"
+    subprocess.run(["cp", "-r", str(env["data_store"]), str(store)], check=True)
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text(yaml.safe_dump({
+        "name": "runner-test", "store": str(store), "ray": {"address": "local", "num_cpus": 2}, "seed": 0,
+        "datasets": {"digits": DATASET.model_dump()}, "stages": [stage_spec("sync")]}))
+    command = [sys.executable, "-m", "omni_core.training", "run", str(pipeline), "--stage", "rl"]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True, cwd=ROOT)
+    seen = []
+    for line in child.stdout:  # type: ignore[union-attr]
+        seen.append(line)
+        if "step 3/4" in line:
+            os.killpg(child.pid, signal.SIGKILL)  # the driver and the Ray it started
+            break
+    child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL, "".join(seen)
+    runs = Store(str(store))
+    key_root = next(k for k in runs.list("runs") if k.endswith("latest_checkpointed_iteration.txt"))
+    assert runs.read_text(key_root).strip() == "2"
+    time.sleep(1)
+    again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resuming at step 2/4" in again.stdout
+    result = __import__("json").loads(again.stdout.strip().splitlines()[-1])
+    assert result["global_step"] == 4 and not result["reused"]
+    final = runs.read_json(result["checkpoint_uri"][len(runs.root) + 1:] + "/_manifest.json")
+    assert policy_sha(final) == policy_sha(clean["manifest"])
 
 
 def test_a_stage_asking_more_than_the_local_ray_has_is_refused(env: Any, tmp_path: Path) -> None:
