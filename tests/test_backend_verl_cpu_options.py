@@ -6,6 +6,8 @@ the check skipped, saying why, where no interpreter has verl)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 from test_backend_verl_stage import cli, error_of, pipeline
@@ -104,18 +106,34 @@ def test_plan_shows_the_command_with_the_cpu_rollout(tmp_path):
 TYPO = "actor_rollout_ref.actor.ppo_epoch=2"
 
 
-def test_a_misspelled_override_is_refused_by_validate_plan_and_dry_run(tmp_path):
+def test_a_misspelled_override_is_refused_by_validate_plan_and_dry_run(tmp_path, monkeypatch):
+    """verl's verdicts are kept in omni's cache: validate composes the two stages' commands in verl's
+    interpreter, plan and the dry run read the verdicts (the same file, the same verl install)."""
+    cache = tmp_path / "cache"
     data = pipeline(tmp_path, rl={"backend": {**CPU_RL["backend"], "overrides": [TYPO]}})
     validate_pipeline(data)  # our own validation cannot know verl's keys
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(data))
     for args in (["validate", str(path)], ["plan", str(path)], ["run", str(path), "--dry-run"]):
-        out = cli(*args)
+        out = cli(*args, env={"OMNI_CACHE_DIR": str(cache)})
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         err = " ".join(out.stderr.split())
         assert "stages.rl.backend.overrides: verl verl.trainer.main_ppo refuses the rendered command" in err, err
         assert "ppo_epoch" in err and "Key 'ppo_epoch' is not in struct" in err, err
         assert not (tmp_path / "shared").exists()
+    verdicts = {f: json.loads(f.read_text()) for f in (cache / "verl-compose").glob("*.json")}
+    assert sorted(v["ok"] for v in verdicts.values()) == [False, True]  # sft composes, rl is refused
+    # the cache is what plan read: a verdict written there is the one reported (no interpreter started)
+    [refused] = [f for f, v in verdicts.items() if not v["ok"]]
+    refused.write_text(json.dumps({"ok": True, "error": ""}))
+    monkeypatch.setenv("OMNI_CACHE_DIR", str(cache))
+    results = {r.stage: r.status for r in precheck.check_pipeline(validate_pipeline(data))}
+    assert results == {"sft": "ok", "rl": "ok"}
+    # the key names the install (verl's version, its config files' newest mtime): a reinstall is asked again
+    found = precheck._interpreter(verl_python())
+    assert found is not None
+    _, version, newest = found[2].split()
+    assert version == "0.9.1" and int(newest) > 0
 
 
 def test_without_verl_the_check_is_skipped_saying_why(tmp_path, monkeypatch):

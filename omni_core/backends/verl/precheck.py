@@ -4,7 +4,12 @@ Hydra's message instead of surfacing as a failed Ray Job.
 
 The interpreter: the stage's `backend.python` when it has verl, else this checkout's `.venv-verl`. Where
 neither has verl, the check is skipped and says why (on a laptop without verl the command is composed
-by the cluster's verl when the job starts). VeRL-Omni recipes compose VeRL-Omni's own config tree,
+by the cluster's verl when the job starts).
+
+Each verdict is kept in omni's cache (`verl-compose/`), keyed by the interpreter, its verl version and
+config files' newest mtime, and the command: `omni validate`, then `omni plan`, then `omni run` of one
+file start verl's interpreter once (importing verl costs ~7 CPU s), and a changed override or a
+reinstalled verl is checked again. VeRL-Omni recipes compose VeRL-Omni's own config tree,
 whose package needs vLLM-Omni (GPU-only): their stages are skipped, naming that.
 
 The stages' commands are rendered with placeholders for what is not known yet (the dataset's files,
@@ -15,6 +20,8 @@ command (omni_core.backends.verl.validation). Composition and verl's `validate_c
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -24,6 +31,7 @@ from typing import Any
 
 from omni_core.backends.verl.check import compose_all
 from omni_core.errors import ConfigError
+from omni_core.paths import cache_dir
 
 REPO_VERL_PYTHON = Path(__file__).resolve().parents[3] / ".venv-verl" / "bin" / "python"
 PROBE_TIMEOUT_S = 60
@@ -36,26 +44,75 @@ class HydraCheck:
     message: str
 
 
-def verl_version(python: str) -> str | None:
-    """The verl version installed for `python` (read without importing verl), or None."""
+# the version, then the newest mtime of verl's Hydra config files (what composition reads), without importing verl
+PROBE = """
+import importlib.util, os
+from importlib.metadata import version
+spec = importlib.util.find_spec("verl")
+config = os.path.join(os.path.dirname(spec.origin), "trainer", "config")
+newest = max((os.stat(os.path.join(d, f)).st_mtime_ns for d, _, fs in os.walk(config) for f in fs), default=0)
+print(version("verl"), newest)
+"""
+
+
+def _probe(python: str) -> tuple[str, str] | None:
+    """(verl's version, its config files' newest mtime) for `python`, or None when it has no verl."""
     found = shutil.which(python) if os.sep not in python else (python if os.access(python, os.X_OK) else None)
     if not found:
         return None
     try:
-        proc = subprocess.run([found, "-c", "from importlib.metadata import version; print(version('verl'))"],
-                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+        proc = subprocess.run([found, "-c", PROBE], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return proc.stdout.strip() if proc.returncode == 0 else None
+    fields = proc.stdout.split()
+    return (fields[0], fields[1]) if proc.returncode == 0 and len(fields) == 2 else None
 
 
 def verl_interpreter(backend_python: str) -> tuple[str | None, str]:
     """(interpreter, where it comes from) or (None, why there is none)."""
+    found = _interpreter(backend_python)
+    return (found[0], found[1]) if found else (None, found_none(backend_python))
+
+
+def found_none(backend_python: str) -> str:
+    return (f"neither backend.python ({backend_python}) nor {REPO_VERL_PYTHON} has verl installed "
+            "(`make setup` builds .venv-verl)")
+
+
+def _interpreter(backend_python: str) -> tuple[str, str, str] | None:
+    """(interpreter, where it comes from, what identifies its verl install) or None."""
     for python, origin in ((backend_python, "backend.python"), (str(REPO_VERL_PYTHON), ".venv-verl")):
-        if version := verl_version(python):
-            return python, f"verl {version} of {origin} ({python})"
-    return None, (f"neither backend.python ({backend_python}) nor {REPO_VERL_PYTHON} has verl installed "
-                  "(`make setup` builds .venv-verl)")
+        if probed := _probe(python):
+            return python, f"verl {probed[0]} of {origin} ({python})", f"{os.path.realpath(python)} {' '.join(probed)}"
+    return None
+
+
+def _cache_file(install: str, command: Any) -> Path:
+    key = json.dumps([install, command.config_name, command.overrides, sorted(command.env.items())])
+    return cache_dir("verl-compose") / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+
+
+def _compose_cached(python: str, install: str, commands: list[Any]) -> list[ConfigError | None]:
+    """For each command: None (verl composes it) or the ConfigError verl refuses it with; the verdicts
+    not in the cache are asked of verl's interpreter (one start for all) and kept."""
+    files = [_cache_file(install, c) for c in commands]
+    verdicts: list[ConfigError | None | bool] = []
+    for file in files:
+        try:
+            kept = json.loads(file.read_text())
+            verdicts.append(None if kept["ok"] else ConfigError(kept["error"]))
+        except (OSError, ValueError, KeyError):
+            verdicts.append(False)  # not known yet
+    missing = [i for i, v in enumerate(verdicts) if v is False]
+    if missing:
+        outcomes = compose_all([commands[i] for i in missing], python, load_model=False)
+        for i, outcome in zip(missing, outcomes, strict=True):
+            refused = isinstance(outcome, ConfigError)
+            verdicts[i] = outcome if refused else None
+            partial = files[i].with_name(f"{files[i].name}.{os.getpid()}.tmp")  # whole or absent for a reader
+            partial.write_text(json.dumps({"ok": not refused, "error": str(outcome) if refused else ""}))
+            os.replace(partial, files[i])
+    return verdicts  # type: ignore[return-value]
 
 
 def _placeholder_command(stage: Any, pipeline: str, seed: int):
@@ -79,45 +136,50 @@ def _validation_command(config: Any, eval_stage: Any) -> tuple[Any, Any] | None:
 
 
 def check_pipeline(config: Any) -> list[HydraCheck]:
-    """One HydraCheck per verl / VeRL-Omni stage of `config` (one interpreter start per interpreter)."""
+    """One HydraCheck per verl / VeRL-Omni stage of `config` (one interpreter start per interpreter, none
+    for the commands whose verdict is in the cache)."""
     from omni_core.backends.verl.options import VerlBackend
 
     results: list[HydraCheck] = []
     pending: dict[str, list[tuple[str, Any]]] = {}
-    origins: dict[str, str] = {}
+    found: dict[str, tuple[str, str, str] | None] = {}
+
+    def interpreter(backend_python: str) -> tuple[str, str, str] | None:
+        if backend_python not in found:
+            found[backend_python] = _interpreter(backend_python)
+        return found[backend_python]
+
+    origins: dict[str, tuple[str, str]] = {}
     for stage in config.stages:
         if getattr(stage, "engine", None) == "trainer":  # an eval by a verl stage's own validation
             command = _validation_command(config, stage)
             if command is None:
                 continue
-            python, origin = verl_interpreter(command[0].backend.python)
-            if python is None:
-                results.append(HydraCheck(stage.name, "skipped", origin))
+            backend_python, cmd = command[0].backend.python, command[1]
+        else:
+            backend = getattr(stage, "backend", "native")
+            if backend == "native":
                 continue
-            origins[python] = origin
-            pending.setdefault(python, []).append((stage.name, command[1]))
+            if not isinstance(backend, VerlBackend):
+                results.append(HydraCheck(stage.name, "skipped", "VeRL-Omni's config tree is composed by its own "
+                                          "package, which needs vLLM-Omni (GPU images only); the recipe's overrides "
+                                          "are checked when its Ray Job starts"))
+                continue
+            backend_python, cmd = backend.python, _placeholder_command(stage, config.name, config.seed)
+        located = interpreter(backend_python)
+        if located is None:
+            results.append(HydraCheck(stage.name, "skipped", found_none(backend_python)))
             continue
-        backend = getattr(stage, "backend", "native")
-        if backend == "native":
-            continue
-        if not isinstance(backend, VerlBackend):
-            results.append(HydraCheck(stage.name, "skipped", "VeRL-Omni's config tree is composed by its own package, "
-                                      "which needs vLLM-Omni (GPU images only); the recipe's overrides are checked "
-                                      "when its Ray Job starts"))
-            continue
-        python, origin = verl_interpreter(backend.python)
-        if python is None:
-            results.append(HydraCheck(stage.name, "skipped", origin))
-            continue
-        origins[python] = origin
-        pending.setdefault(python, []).append((stage.name, _placeholder_command(stage, config.name, config.seed)))
+        python, origin, install = located
+        origins[python] = (origin, install)
+        pending.setdefault(python, []).append((stage.name, cmd))
     for python, items in pending.items():
-        outcomes = compose_all([cmd for _, cmd in items], python, load_model=False)
-        for (name, _), outcome in zip(items, outcomes, strict=True):
-            if isinstance(outcome, ConfigError):
-                results.append(HydraCheck(name, "refused", str(outcome)))
+        origin, install = origins[python]
+        for (name, _), refused in zip(items, _compose_cached(python, install, [cmd for _, cmd in items]), strict=True):
+            if refused is not None:
+                results.append(HydraCheck(name, "refused", str(refused)))
             else:
-                results.append(HydraCheck(name, "ok", f"composed by {origins[python]}"))
+                results.append(HydraCheck(name, "ok", f"composed by {origin}"))
     order = [s.name for s in config.stages]
     return sorted(results, key=lambda r: order.index(r.stage))
 
