@@ -1,19 +1,20 @@
 """End to end with real verl on a real `ray start --head`, an S3 store (moto) and an MLflow server:
 ingest the digits task -> `sft` with `backend: {name: verl, device: cpu}` on tiny://lm (verl's SFT
 trainer as a Ray Job) -> `rl` (verl's main_ppo GRPO from the sft checkpoint, `model: {from: sft}`, the
-digits reward, verl's CPU rollout `omni_cpu`) and `gspo` (main_ppo GSPO, to its first mirrored
-checkpoint) -> `eval` of the rl checkpoint (our engine, 8 sampled responses a row with the sft checkpoint
-as the baseline: GRPO raised the reward; and `engine: trainer`: verl's own validation as a val-only Ray
-Job) -> `register`. Asserts verl's own metrics in our child runs
+digits reward, verl's CPU rollout `omni_cpu`) -> `eval` of the rl checkpoint (our engine, 8 sampled
+responses a row with the sft checkpoint as the baseline: GRPO raised the reward; and `engine: trainer`:
+verl's own validation as a val-only Ray Job) -> `register`. Asserts verl's own metrics in our child runs
 (train/loss; critic/score/mean, actor/pg_loss, actor/ppo_kl and the rollout-vs-actor log-prob
 difference), the mirrored checkpoints with manifests, verl's own Hugging Face weights committed as our
 checkpoints, and the registered version's lineage down to the raw files.
 
-The faults run the `pipeline` flow itself (`omni run` in a subprocess, Prefect's embedded API): the
-GRPO trainer SIGKILLed once a step is mirrored and the shared path emptied, the flow's task retry
-resumes from S3 to the same final weights as the uninterrupted run (the module-scoped run's rl stage,
-started here from the same sft checkpoint); and the flow-run process SIGTERMed (what Prefect's worker
-sends on cancel) while an sft job runs stops the Ray Job."""
+The faults run the `pipeline` flow itself (`omni run` in a subprocess, Prefect's embedded API), once:
+ingest -> rl (GRPO from the module run's sft checkpoint) -> gspo (main_ppo's GSPO loss). The GRPO
+trainer is SIGKILLed once a step is mirrored and the shared path emptied: the flow's task retry resumes
+from S3 to the same final weights as the uninterrupted run (the module run's rl stage). Then, once the
+GSPO job mirrored its first checkpoint, the flow-run process is SIGTERMed (what Prefect's worker sends
+on cancel): the flow stops the Ray Job. (One flow for both: each verl RL job's start-up, its actors
+importing verl one after another, is most of its time.)"""
 
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def verl_s3(moto_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  # noqa: F811
-    """ingest -> sft (verl) -> rl (verl GRPO) + gspo (verl GSPO, 1 step) -> eval -> register, run once."""
+    """ingest -> sft (verl) -> rl (verl GRPO) -> eval -> register, run once."""
     store_uri = f"s3://{verl_s3}/store"
     shared = tmp_path_factory.mktemp("verl-e2e") / "shared"
     config = validate_pipeline({
@@ -117,7 +118,6 @@ def uninterrupted(ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  # noqa: 
             {"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
             sft_stage(shared),
             rl_stage(shared),
-            rl_stage(shared, name="gspo", algorithm=GSPO, steps=1),
             # sampled (8 responses a row, the same random numbers for both): did GRPO help the sft checkpoint
             {"name": "eval", "kind": "eval", "after": ["rl"], "checkpoint_from": "rl", "data": "digits:test",
              "max_new_tokens": 8, "greedy": False, "n": 8, "samples": 2, "baseline": True},
@@ -195,16 +195,6 @@ def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs
     rl_root = stage_prefix("verl-e2e", rl_out["run_key"], "rl")
     assert checkpoint_steps(store, rl_root) == {step: True for step in range(1, RL_STEPS + 1)}
 
-    # ---- gspo: main_ppo's GSPO loss (its clip ratios, seq-mean-token-mean) to its first mirrored checkpoint
-    gspo = run.outcomes["gspo"]
-    gspo_command = client.get_run(gspo.mlflow_run_id).data.tags["omni.verl.command"]
-    for override in ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.clip_ratio_low=0.0003",
-                     "actor_rollout_ref.actor.clip_ratio_high=0.0004",
-                     "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"):
-        assert override in gspo_command, override
-    assert checkpoint_steps(store, stage_prefix("verl-e2e", gspo.outputs["run_key"], "gspo")) == {1: True}
-    assert client.get_metric_history(gspo.mlflow_run_id, "actor/pg_loss")
-
     evaluated = run.outcomes["eval"].outputs
     assert evaluated["weights_sha256"] == rl_out["weights_sha256"] and "val/reward_mean" in evaluated["metrics"]
 
@@ -278,16 +268,6 @@ def _end(proc: subprocess.Popen, timeout: float) -> int | None:
             os.killpg(proc.pid, signal.SIGKILL)  # what is left of its session (Prefect's server)
 
 
-def _trainers(shared_dir: Path) -> list[psutil.Process]:
-    """verl's trainer processes (torchrun's workers) of runs under `shared_dir`."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or ())
-        if "verl.trainer.sft_trainer" in cmd and "torch.distributed.run" not in cmd and str(shared_dir) in cmd:
-            found.append(proc)
-    return found
-
-
 def _rl_trainers(shared_dir: Path, tracking_uri: str) -> list[psutil.Process]:
     """verl main_ppo's driver of runs under `shared_dir` and its trainer loop (the TaskRunner actor, told
     apart from other runs' on this machine by the MLflow server its job logs to)."""
@@ -330,8 +310,51 @@ def _kill_after_mirrored(store: Store, pipeline: str, shared_dir: Path, tracking
         time.sleep(0.05)
 
 
+@pytest.fixture(scope="module")
+def faults(uninterrupted, ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  # noqa: F811
+    """`omni run` of ingest -> rl -> gspo: rl's trainer killed once (the retry resumes), then the flow-run
+    process SIGTERMed once gspo's first checkpoint is mirrored (the cancel)."""
+    store_uri = f"s3://{verl_s3}/store"
+    workdir = tmp_path_factory.mktemp("verl-fault")
+    shared = workdir / "shared"
+    sft_checkpoint = uninterrupted["run"].outcomes["sft"].outputs["checkpoint_uri"]
+    config = {"name": "verl-fault", "store": store_uri, "tracking_uri": mlflow_server.url,
+              "ray": {"address": ray_jobs.get_address()}, "datasets": DIGITS,
+              "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
+                         rl_stage(shared, model=sft_checkpoint,
+                                  execution={"max_failures": 1, "retry_backoff_s": 1.0}),
+                         # many steps: it is cancelled at its first mirrored checkpoint
+                         {**rl_stage(shared, name="gspo", algorithm=GSPO, steps=50, model=sft_checkpoint),
+                          "after": ["rl"]}]}
+    store = Store(store_uri)
+    seen: dict = {}
+    stop = threading.Event()
+    killer = threading.Thread(target=_kill_after_mirrored, daemon=True,
+                              args=(store, "verl-fault", shared, mlflow_server.url, 1, seen, stop))
+    killer.start()
+    proc, out = _omni_run(workdir / "run", config)
+    try:
+        deadline = time.monotonic() + 1200
+        gspo_latest = None
+        while gspo_latest is None or int(store.read_text(gspo_latest).strip() or 0) < 1:
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-4000:]
+            gspo_latest = next((k for k in store.list("runs/verl-fault") if k.endswith(f"/gspo/{LATEST}")), None)
+            time.sleep(0.5)
+        [job] = [j for j in ray_jobs.list_jobs() if (j.submission_id or "").startswith("omni-verl-verl-fault-gspo-")]
+        running = ray_jobs.get_job_status(job.submission_id).value
+        trainers = _rl_trainers(shared, mlflow_server.url)
+        proc.send_signal(signal.SIGTERM)  # what Prefect's worker sends the flow-run process on cancel
+        code = proc.wait(timeout=120)
+    finally:
+        stop.set()
+        _end(proc, timeout=0)
+    return {"seen": seen, "code": code, "log": out.read_text(), "store": store, "shared": shared,
+            "gspo_job": job.submission_id, "gspo_root": gspo_latest.rsplit("/", 1)[0], "running": running,
+            "trainers": trainers}
+
+
 def test_a_killed_rl_trainer_is_retried_by_the_flow_and_resumes_from_s3_to_the_same_weights(
-        uninterrupted, ray_jobs, mlflow_server, verl_s3, tmp_path):  # noqa: F811
+        faults, uninterrupted, mlflow_server, tmp_path):  # noqa: F811
     """The module run's GRPO stage again, inside the `pipeline` flow (`omni run`), from the same sft
     checkpoint (its URI): once it saved step 1 its driver and trainer loop are paused, and SIGKILLed once
     that step is mirrored to S3, and the shared path is deleted; the flow's task retry
@@ -340,29 +363,9 @@ def test_a_killed_rl_trainer_is_retried_by_the_flow_and_resumes_from_s3_to_the_s
     run's: verl's GRPO on one CPU rank is deterministic with the CPU rollout (per-request sampling seeds,
     the batch sorted into submission order; runtime/omni_verl_cpu_rollout.py), and the restored optimizer
     state, data cursor and weights version carry the run on exactly."""
-    store_uri = f"s3://{verl_s3}/store"
-    shared = tmp_path / "shared"
-    sft_checkpoint = uninterrupted["run"].outcomes["sft"].outputs["checkpoint_uri"]
-    config = {"name": "verl-fault", "store": store_uri, "tracking_uri": mlflow_server.url,
-              "ray": {"address": ray_jobs.get_address()}, "datasets": DIGITS,
-              "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
-                         rl_stage(shared, model=sft_checkpoint,
-                                  execution={"max_failures": 1, "retry_backoff_s": 1.0})]}
-    store = Store(store_uri)
-    seen: dict = {}
-    stop = threading.Event()
-    killer = threading.Thread(target=_kill_after_mirrored, daemon=True,
-                              args=(store, "verl-fault", shared, mlflow_server.url, 1, seen, stop))
-    killer.start()
-    proc, out = _omni_run(tmp_path / "run", config)
-    try:
-        code = _end(proc, timeout=900)
-    finally:
-        stop.set()
-    log = out.read_text()
+    seen, log, store, shared = faults["seen"], faults["log"], faults["store"], faults["shared"]
     assert seen.get("killed"), f"the trainer was never killed:\n{log[-3000:]}"
     assert any("main_ppo" in c for c in seen["frozen"]) and any("TaskRunner" in c for c in seen["frozen"]), seen
-    assert code == 0, log[-4000:]
     mirrored, root = seen["mirrored"], seen["root"]
     assert "stage rl: verl resumes from global_step_" in log, log[-4000:]
     resumed = int(log.split("stage rl: verl resumes from global_step_")[1].split()[0])
@@ -391,31 +394,27 @@ def test_a_killed_rl_trainer_is_retried_by_the_flow_and_resumes_from_s3_to_the_s
     assert weights == uninterrupted["run"].outcomes["rl"].outputs["weights_sha256"]
 
 
-def test_cancelling_the_flow_run_stops_the_ray_job(ray_jobs, mlflow_server, verl_s3, tmp_path):  # noqa: F811
+def test_cancelling_the_flow_run_stops_the_ray_job(faults, ray_jobs, mlflow_server):  # noqa: F811
     """Prefect's process worker cancels a flow run by SIGTERM to the flow-run process (its runner's
     graceful kill); Prefect's flow engine turns it into TerminationSignal in the flow's thread, while
     the stage follows its job in a task thread. The flow stops the Ray Job and waits for STOPPED before
-    the process goes; the trainer is gone with it."""
-    shared = tmp_path / "shared"
-    config = {"name": "verl-cancel", "store": f"s3://{verl_s3}/store", "tracking_uri": mlflow_server.url,
-              "ray": {"address": ray_jobs.get_address()}, "datasets": DIGITS,
-              "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
-                         {**sft_stage(shared), "trainer": {"total_steps": 500, "batch_size": 4, "lr": 1e-3}}]}
-    proc, out = _omni_run(tmp_path / "run", config)
-    try:
-        deadline = time.monotonic() + 400
-        while not _trainers(shared):
-            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
-            time.sleep(0.2)
-        [job] = [j for j in ray_jobs.list_jobs() if (j.submission_id or "").startswith("omni-verl-verl-cancel-sft-")]
-        assert ray_jobs.get_job_status(job.submission_id).value == "RUNNING"
-        trainers = _trainers(shared)
-        proc.send_signal(signal.SIGTERM)  # what Prefect's worker sends the flow-run process on cancel
-        code = proc.wait(timeout=120)
-    finally:
-        _end(proc, timeout=0)
-    log = out.read_text()
-    assert code != 0, log[-3000:]
-    assert ray_jobs.get_job_status(job.submission_id).value == "STOPPED", log[-3000:]  # before the process went
-    gone, alive = psutil.wait_procs(trainers, timeout=30)
-    assert not alive and not _trainers(shared)
+    the process goes; verl's driver and trainer loop are gone with it. The job was the GSPO stage's
+    (main_ppo's GSPO loss: its clip ratios, seq-mean-token-mean), to its first mirrored checkpoint."""
+    log = faults["log"]
+    assert faults["running"] == "RUNNING" and faults["trainers"], log[-3000:]
+    assert faults["code"] != 0, log[-3000:]
+    assert ray_jobs.get_job_status(faults["gspo_job"]).value == "STOPPED", log[-3000:]  # before the process went
+    gone, alive = psutil.wait_procs(faults["trainers"], timeout=30)
+    assert not alive and not _rl_trainers(faults["shared"], mlflow_server.url)
+
+    client = MlflowClient(mlflow_server.url)
+    [gspo] = client.search_runs([client.get_experiment_by_name("verl-fault").experiment_id],
+                                f"tags.`omni.verl.submission_id` = '{faults['gspo_job']}'")
+    gspo_command = gspo.data.tags["omni.verl.command"]
+    for override in ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.clip_ratio_low=0.0003",
+                     "actor_rollout_ref.actor.clip_ratio_high=0.0004",
+                     "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"):
+        assert override in gspo_command, override
+    mirrored = checkpoint_steps(faults["store"], faults["gspo_root"])
+    assert mirrored.get(1) is True, mirrored  # its first checkpoint, mirrored with its manifest
+    assert client.get_metric_history(gspo.info.run_id, "actor/pg_loss")

@@ -3,7 +3,11 @@ an S3 store: the eval/register pipeline of configs/eval_register.yaml (digits fi
 tiny://lm, eval on the test split, register) run twice, seeds 0 and 1, so the two checkpoints score
 differently (the reward depends on every character of the response). Then the run tree, the tags, the
 dataset inputs, the logged models, the registry and `omni lineage models:/NAME@champion --json` are
-checked against the store's manifests.
+checked against the store's manifests. Then the eval and register stages of those runs (verl's metric
+names linked to the logged model and the dataset, `components.evaluate`'s numbers, the work in a Ray
+task, the samples table, the registry's versions, aliases and decisions), after seed 0 again with a
+margin no score can beat (rl and eval cache hits, a third version kept out of `champion`) and that run
+once more (every stage a cache hit: no fourth version).
 
 Also, fast and without a server: target parsing and errors of `omni_core.lineage.chain` on a SQLite
 tracking store with hand-made runs, a logged model, a registered model and a local store.
@@ -24,10 +28,15 @@ from mlflow_server import MlflowServer, mlflow_server, s3_environment  # noqa: F
 from pipeline_runs import digits_pipeline, run_in_order
 from typer.testing import CliRunner
 
+from omni_core.data import load_version
 from omni_core.lineage import Tracker, verify_target
 from omni_core.lineage.chain import MISMATCH, MISSING, OK, LineageError, format_lineage, lineage
 from omni_core.lineage.models import log_checkpoint_model
+from omni_core.models import load_model
+from omni_core.pipeline.stages.eval import SAMPLE_COLUMNS, SAMPLES_TABLE
 from omni_core.storage import Store
+from omni_core.training.components import Sampling, evaluate
+from omni_core.training.ray_stage import read_split
 
 MODEL_NAME = "digits-lineage"
 PIPELINE = "lineage-server"
@@ -35,9 +44,9 @@ PIPELINE = "lineage-server"
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "AKIDLINEAGE7Q2", "AWS_SECRET_ACCESS_KEY": "lineage-secret-5xq9w"}
 
 
-def pipeline(workdir: Path, store: str, tracking_uri: str, seed: int) -> dict[str, Any]:
+def pipeline(workdir: Path, store: str, tracking_uri: str, seed: int, margin: float = 0.0) -> dict[str, Any]:
     return digits_pipeline(workdir, name=PIPELINE, store=store, tracking_uri=tracking_uri, seed=seed,
-                           model_name=MODEL_NAME, samples=2)
+                           model_name=MODEL_NAME, samples=2, register={"margin": margin})
 
 
 def run_pipeline(data: dict[str, Any]) -> Any:
@@ -73,7 +82,8 @@ def served(model_cache_env: Path, mlflow_server: MlflowServer,  # noqa: F811  (o
             if not client.get_run(rl_run).data.tags.get("ray.job_id"):
                 client.set_tag(rl_run, "ray.job_id", f"raysubmit_seed{done.config.seed}")
         try:
-            yield {"runs": runs, "store": Store(store), "server": mlflow_server, "s3": s3, "client": client}
+            yield {"runs": runs, "store": Store(store), "server": mlflow_server, "s3": s3, "client": client,
+                   "workdir": workdir}
         finally:
             ray.shutdown()
 
@@ -264,6 +274,160 @@ def test_lineage_cli_tree_of_the_newest_version(served: dict[str, Any]) -> None:
                      f"re-check: omni verify {trained['checkpoint_uri']}",
                      f"re-check: omni verify {store.uri(f'datasets/digits/{version}')}", "raw files "):
         assert fragment in out, out
+
+
+# ---- the eval and register stages of these runs, then seed 0 again with a margin no score can beat (rl
+# and eval are cache hits; register decides again: a third version, kept out of `champion`), then that
+# run again (every stage a cache hit: no fourth version). After the tests above: they see two versions.
+
+METRICS = ("val/reward_mean", "val-core/digits_rotate/reward/mean@1")  # verl's names (the stage's outputs)
+LOGGED = {"val/reward_mean": "val/reward_mean",  # as verl's MLflow logger spells them (MLflow refuses `@`)
+          "val-core/digits_rotate/reward/mean@1": "val-core/digits_rotate/reward/mean_at_1"}
+
+
+@pytest.fixture(scope="module")
+def reruns(served: dict[str, Any]) -> dict[str, Any]:
+    third = run_pipeline(pipeline(served["workdir"], served["store"].root, served["server"].url, 0, margin=1e6))
+    again = run_pipeline(pipeline(served["workdir"], served["store"].root, served["server"].url, 0, margin=1e6))
+    return {"runs": [*served["runs"], third], "again": again, "client": served["client"],
+            "workdir": served["workdir"]}
+
+
+@pytest.mark.slow
+def test_eval_logs_verl_metrics_linked_to_the_model_and_dataset(reruns: dict[str, Any]) -> None:
+    client: MlflowClient = reruns["client"]
+    for run in reruns["runs"][:2]:
+        trained, evaluated = outputs(run, "rl"), outputs(run, "eval")
+        assert evaluated["model_id"] == trained["model_id"] and evaluated["model_id"]
+        assert evaluated["weights_sha256"] == trained["weights_sha256"]
+        assert evaluated["checkpoint_uri"] == trained["checkpoint_uri"]
+        eval_run = client.get_run(run.outcomes["eval"].mlflow_run_id)
+        assert set(evaluated["metrics"]) == set(METRICS)
+        assert set(eval_run.data.metrics) == set(LOGGED.values())
+        for name in METRICS:
+            assert eval_run.data.metrics[LOGGED[name]] == pytest.approx(evaluated["metrics"][name])
+        # the metrics are the logged model's, measured on the test split's dataset version
+        model = client.get_logged_model(evaluated["model_id"])
+        linked = {m.key: m for m in model.metrics if m.run_id == eval_run.info.run_id}
+        assert set(linked) == set(LOGGED.values())
+        assert {(m.dataset_name, m.dataset_digest) for m in linked.values()} == {("digits", evaluated["dataset_version"])}
+        assert all(m.step == trained["global_step"] for m in linked.values())
+        inputs = [(d.dataset.name, d.dataset.digest, {t.key: t.value for t in d.tags}.get("mlflow.data.context"))
+                  for d in eval_run.inputs.dataset_inputs]
+        assert inputs == [("digits", evaluated["dataset_version"], "eval")]
+        assert eval_run.data.tags["omni.training_run_id"] == run.outcomes["rl"].mlflow_run_id
+
+
+@pytest.mark.slow
+def test_eval_matches_the_evaluate_component_on_the_checkpoint(reruns: dict[str, Any]) -> None:
+    """The stage's numbers are `components.evaluate`'s on the committed checkpoint and the test rows."""
+    run = reruns["runs"][0]
+    evaluated = outputs(run, "eval")
+    store = Store(run.config.store)
+    rows = read_split(store, load_version(store, "digits", evaluated["dataset_version"]).shard_keys("test"))
+    model, tokenizer = load_model(evaluated["checkpoint_uri"], seed=0)
+    expected = evaluate(model, tokenizer, rows, reward=f"{reruns['workdir'] / 'reward.py'}:score",
+                        sampling=Sampling(max_new_tokens=6, greedy=True), n=1, max_prompt_tokens=256, seed=0)
+    assert evaluated["metrics"] == pytest.approx(expected)
+
+
+@pytest.mark.slow
+def test_eval_ran_as_a_ray_task_not_in_the_flow_process(reruns: dict[str, Any]) -> None:
+    """The work ran in a Ray worker of the pipeline's Ray (a task of the driver's job on its node), with
+    the stage's resources; the engine, not a `generate` loop, made the responses (equal to
+    `evaluate`'s greedy ones, test above)."""
+    import os
+
+    import ray
+
+    client: MlflowClient = reruns["client"]
+    run = reruns["runs"][0]
+    report = run.outcomes["eval"].report["eval"]
+    tags = client.get_run(run.outcomes["eval"].mlflow_run_id).data.tags
+    assert int(tags["omni.eval.pid"]) == report["where"]["pid"] != os.getpid()
+    assert tags["omni.eval.task_id"] and tags["omni.eval.node_id"] == report["where"]["node_id"]
+    assert ray.is_initialized() and tags["omni.eval.node_id"] == ray.get_runtime_context().get_node_id()
+    assert tags["omni.eval.job_id"] == ray.get_runtime_context().get_job_id()
+    assert report["kind"] == "text" and report["timings"]["load_s"] > 0 and report["timings"]["score_s"] > 0
+
+
+@pytest.mark.slow
+def test_eval_samples_table(reruns: dict[str, Any]) -> None:
+    client: MlflowClient = reruns["client"]
+    run = reruns["runs"][0]
+    eval_run_id = run.outcomes["eval"].mlflow_run_id
+    assert SAMPLES_TABLE in [a.path for a in client.list_artifacts(eval_run_id)]
+    table = json.loads(Path(client.download_artifacts(eval_run_id, SAMPLES_TABLE, str(reruns["workdir"]))).read_text())
+    assert tuple(table["columns"]) == SAMPLE_COLUMNS
+    assert len(table["data"]) == 2  # samples: 2 rows, n 1
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    for row in rows:
+        assert row["data_source"] == "digits_rotate" and "Rotate" in row["prompt"]
+        assert row["ground_truth"].isdigit() and len(row["ground_truth"]) == 4
+        assert row["score"] == pytest.approx((sum(map(ord, row["response"])) % 97) / 96.0)
+
+
+@pytest.mark.slow
+def test_register_versions_aliases_and_decisions(reruns: dict[str, Any]) -> None:
+    client: MlflowClient = reruns["client"]
+    first, second, third = (outputs(r, "register") for r in reruns["runs"])
+    listed = sorted(str(v.version) for v in client.search_model_versions(f"name='{MODEL_NAME}'"))
+    assert listed == ["1", "2", "3"]
+    versions = {v: client.get_model_version(MODEL_NAME, v) for v in listed}  # search leaves out aliases
+    assert [first["version"], second["version"], third["version"]] == ["1", "2", "3"]
+    scores = [outputs(r, "eval")["metrics"]["val/reward_mean"] for r in reruns["runs"]]
+    assert scores[0] != scores[1], "the two seeds should give checkpoints that score differently"
+    assert scores[2] == scores[0]  # seed 0 again: the same checkpoint, eval taken from the cache
+    assert reruns["runs"][2].outcomes["eval"].cache_hit and reruns["runs"][2].outcomes["rl"].cache_hit
+
+    # run 1: no champion yet; run 2: champion only if it scores higher; run 3: margin 1e6, kept
+    second_wins = scores[1] > scores[0]
+    champion = "2" if second_wins else "1"
+    assert str(client.get_model_version_by_alias(MODEL_NAME, "candidate").version) == "3"
+    assert str(client.get_model_version_by_alias(MODEL_NAME, "champion").version) == champion
+    aliases = {v: set(versions[v].aliases) for v in versions}
+    assert [v for v, a in aliases.items() if "champion" in a] == [champion]
+    assert [v for v, a in aliases.items() if "candidate" in a] == ["3"]
+
+    tags = {v: versions[v].tags for v in versions}
+    assert (tags["1"]["omni.promotion"], tags["1"]["omni.champion_score"]) == ("promoted", "")
+    assert tags["2"]["omni.promotion"] == ("promoted" if second_wins else "kept")
+    assert float(tags["2"]["omni.champion_score"]) == pytest.approx(scores[0])
+    assert tags["3"]["omni.promotion"] == "kept"
+    assert float(tags["3"]["omni.champion_score"]) == pytest.approx(max(scores[0], scores[1]) if second_wins
+                                                                     else scores[0])
+    for v, score in zip(("1", "2", "3"), scores, strict=True):
+        assert float(tags[v]["omni.score"]) == pytest.approx(score)
+    assert (first["promoted"], second["promoted"], third["promoted"]) == (True, second_wins, False)
+    assert third["champion_version"] == champion
+
+    # each version is the checkpoint's logged model, linked back to its runs, key and dataset
+    for v, run in zip(("1", "2", "3"), reruns["runs"], strict=True):
+        trained, evaluated = outputs(run, "rl"), outputs(run, "eval")
+        version = versions[v]
+        assert version.source == f"models:/{trained['model_id']}"
+        listed = json.loads(client.get_logged_model(trained["model_id"]).tags["mlflow.modelVersions"])
+        assert (MODEL_NAME, v) in {(e["name"], str(e["version"])) for e in listed}  # as mlflow.register_model
+        assert tags[v]["omni.run_key"] == trained["run_key"]
+        assert tags[v]["omni.checkpoint_uri"] == trained["checkpoint_uri"]
+        assert tags[v]["omni.checkpoint_sha256"] == trained["weights_sha256"]
+        assert tags[v]["omni.dataset_version"] == evaluated["dataset_version"]
+        assert tags[v]["omni.eval_run_id"] == evaluated["eval_run_id"] == version.run_id
+        training = client.get_run(tags[v]["omni.training_run_id"])
+        assert training.data.tags["omni.checkpoint_sha256"] == trained["weights_sha256"]
+        assert training.data.tags["omni.cache_hit"] == "false"
+
+
+@pytest.mark.slow
+def test_an_unchanged_rerun_registers_nothing_new(reruns: dict[str, Any]) -> None:
+    client: MlflowClient = reruns["client"]
+    again, third = reruns["again"], reruns["runs"][2]
+    assert all(again.outcomes[s].cache_hit for s in ("ingest", "rl", "eval", "register"))
+    assert outputs(again, "register") == {**outputs(third, "register"), "reused": True}
+    assert len(client.search_model_versions(f"name='{MODEL_NAME}'")) == 3
+    run = client.get_run(again.outcomes["register"].mlflow_run_id)
+    assert (run.data.tags["omni.registered_model"], run.data.tags["omni.registered_version"]) == (MODEL_NAME, "3")
+
 
 
 # ---- fast: target parsing and errors on a SQLite tracking store ---------------------------------------
