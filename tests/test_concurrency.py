@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from pipeline_runs import check_sweep, sweep_configs
@@ -219,7 +220,8 @@ def omni(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) 
 def test_a_sweep_of_four_runs_at_once_on_the_embedded_default(tmp_path: Path, model_cache: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """As a user would: four `omni run` started together in one folder, on its ./.omni store, sqlite
-    MLflow database and Prefect home, all fresh (created by whichever run comes first). The runs share
+    MLflow database and Prefect home, all fresh (created by whichever run comes first), and omni's
+    local Prefect server (the default: one started for the four, stopped at the end). The runs share
     one Ray started with `ray start --head` (`ray.address`), as the README advises for a sweep: four
     local Rays starting at once on a busy 2-core machine miss Ray's own start-up timeout."""
     monkeypatch.setenv("OMNI_CACHE_DIR", str(model_cache))  # the Ray nodes' environment: actors find the models
@@ -228,7 +230,7 @@ def test_a_sweep_of_four_runs_at_once_on_the_embedded_default(tmp_path: Path, mo
     paths = sweep_configs(tmp_path, store=store, tracking_uri=uri, model_name="sweep-digits",
                           ray_address=cluster.address)
     env = {**cluster.driver_env(), "PYTHONPATH": str(ROOT), "OMNI_CACHE_DIR": str(model_cache),
-           "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+           "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMNI_PREFECT_SERVER": "local"}
     for var in ("PREFECT_API_URL", "PREFECT_HOME", "MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
         env.pop(var, None)
     logs = [tmp_path / f"run{i}.log" for i in range(len(paths))]
@@ -245,10 +247,16 @@ def test_a_sweep_of_four_runs_at_once_on_the_embedded_default(tmp_path: Path, mo
             if proc.poll() is None:
                 proc.kill()
         cluster.stop()
+        stopped = omni(["server", "stop"], tmp_path, env)
     failed = [log.read_text()[-3000:] for proc, log in zip(procs, logs, strict=True) if proc.returncode != 0]
     assert not failed, "\n-----\n".join(failed)
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
     client = Tracker(f"sqlite:///{tmp_path / '.omni/mlflow.db'}").client
     check_sweep(client, "sweep-digits", "sweep", len(paths))
+    # one local Prefect server served the four runs: their flow runs' links share its address
+    runs = client.search_runs([client.get_experiment_by_name("sweep").experiment_id], max_results=200)
+    links = [r.data.tags.get("prefect.flow_run_url", "") for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(links) == len(paths) and len({urlsplit(u).netloc for u in links}) == 1, links
     lineage = omni(["lineage", "models:/sweep-digits@champion", "--pipeline", str(paths[0]), "--json"], tmp_path, env)
     assert lineage.returncode == 0, lineage.stdout + lineage.stderr
     chain = json.loads(lineage.stdout)
