@@ -26,7 +26,8 @@ from module_order import DurationRecorder, sort_items
 
 # Every `omni run` / `omni ingest` a test starts (subprocesses inherit this) uses Prefect's temporary
 # server, not omni's local server (flows/local_prefect.py), which would outlive the test session;
-# tests/test_local_prefect.py tests that server and stops it.
+# tests/test_local_prefect.py tests that server and stops it, as does the embedded sweep
+# (tests/test_concurrency.py), whose four runs share one.
 os.environ.setdefault("OMNI_PREFECT_SERVER", "temporary")
 
 # ---- order: the longest modules first (tests/module_order.py) ------------------------------------
