@@ -265,3 +265,27 @@ def test_a_sweep_of_four_runs_at_once_on_the_embedded_default(tmp_path: Path, mo
     assert chain["training"] and chain["datasets"][0]["name"] == "digits"
     verified = omni(["verify", "--store", str(tmp_path / store)], tmp_path, env)
     assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_runs_logging_one_new_dataset_version_at_once_all_link_it(tmp_path: Path) -> None:
+    """MLflow inserts an experiment's dataset row on first use: runs of a sweep logging the same new
+    dataset version at once race on that insert, and the loser's whole call failed (`UNIQUE constraint
+    failed` on sqlite, `UniqueViolation` on Postgres: the stack's sweep saw it). Each now links it."""
+    from threading import Barrier
+
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = tracker.experiment_id("sweep")
+    runs = [tracker.client.create_run(experiment).info.run_id for _ in range(6)]
+    for digest in ("d0", "d1", "d2", "d3"):
+        barrier = Barrier(len(runs))
+
+        def log(run_id: str, digest: str = digest, barrier: Barrier = barrier) -> None:
+            barrier.wait()
+            tracker.log_dataset_input(run_id, name="digits", digest=digest, source_uri=f"file:///store/{digest}",
+                                      raw_source_uri="fixtures://digits", schema=[], profile={}, context="training")
+
+        with ThreadPoolExecutor(len(runs)) as pool:
+            list(pool.map(log, runs))
+    for run_id in runs:
+        inputs = tracker.client.get_run(run_id).inputs.dataset_inputs
+        assert sorted(i.dataset.digest for i in inputs) == ["d0", "d1", "d2", "d3"]

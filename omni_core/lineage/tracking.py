@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -240,7 +241,22 @@ class Tracker:
             profile=json.dumps(profile, sort_keys=True),
         )
         tags = [InputTag("mlflow.data.context", redact_text(context, secrets))]
-        self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags)])
+        for attempt in range(3):
+            try:
+                self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags)])
+                return
+            except MlflowException as exc:
+                # MLflow creates the experiment's dataset row on first use: two runs logging one dataset
+                # version at once both insert it, and the slower one's transaction fails whole; again,
+                # it finds the row and links it
+                if attempt == 2 or not _lost_insert_race(exc):
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+
+
+def _lost_insert_race(exc: MlflowException) -> bool:
+    text = str(exc).lower()
+    return "unique" in text and ("constraint" in text or "violation" in text)
 
 
 def git_commit(cwd: str | Path = ".") -> str:

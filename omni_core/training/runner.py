@@ -24,6 +24,11 @@ unreachable) stops the attempt; the driver kills the remaining actors, waits `re
 `max_failures` times; each recovery is tagged on the stage's MLflow run. A half-written checkpoint
 has no manifest and is never used (and is deleted by the next successful save). A dead driver is the
 caller's to restart (the Prefect task retries): the new driver resumes the same way.
+
+Placement: an attempt's actors are placed together or not at all (one Ray placement group, a bundle
+per actor that asks for anything). Placed one by one, stages that share a cluster could each hold part
+of what they need and wait for the rest forever: four runs of a sweep, each with its trainer placed and
+its rollout worker waiting for the CPUs the other trainers hold.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from typing import Any
 
 import ray
 from ray.exceptions import ObjectLostError, OutOfMemoryError, RayActorError, RayTaskError, WorkerCrashedError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from omni_core.config.models import ExecutionConfig, RLStage
 from omni_core.errors import OmniError, StorageError
@@ -96,6 +103,7 @@ class _Attempt:
     trainer: Any
     rollout: list[Any]
     reward: list[Any]
+    group: PlacementGroup | None = None
 
     def actors(self) -> list[Any]:
         return [self.trainer, *self.rollout, *self.reward]
@@ -167,13 +175,16 @@ class StageRunner:
         split = stage.record.separate_async  # rollout on rollout workers; else steps inside the trainer
         ex = stage.execution
         self._check_capacity(split)
+        roles = ["trainer"] + ["rollout"] * (ex.rollout_workers if split else 0) \
+            + ["reward"] * (ex.reward_workers if split and ex.async_reward else 0)
+        group, placed = _gang(roles, stage.role_resources)
         rows = ray.put(run.rows)
-        trainer = TrainerWorker.options(**_options(stage.role_resources("trainer"))).remote(spec, run.seed, rows)
-        rollout = [RolloutWorker.options(**_options(stage.role_resources("rollout"))).remote(
-            spec, run.seed, rows, i, ex.rollout_workers) for i in range(ex.rollout_workers if split else 0)]
-        reward = [RewardWorker.options(**_options(stage.role_resources("reward"))).remote(spec, run.seed, rows)
-                  for _ in range(ex.reward_workers if split and ex.async_reward else 0)]
-        self.attempt = _Attempt(trainer, rollout, reward)
+        trainer = TrainerWorker.options(**placed[0]).remote(spec, run.seed, rows)
+        rollout = [RolloutWorker.options(**placed[1 + i]).remote(spec, run.seed, rows, i, ex.rollout_workers)
+                   for i in range(roles.count("rollout"))]
+        reward = [RewardWorker.options(**placed[1 + len(rollout) + i]).remote(spec, run.seed, rows)
+                  for i in range(roles.count("reward"))]
+        self.attempt = _Attempt(trainer, rollout, reward, group)
         ray.get([a.pid.remote() for a in self.attempt.actors()])  # constructed (models loaded)
         return self.attempt
 
@@ -205,6 +216,8 @@ class StageRunner:
         if self.attempt is not None:
             for actor in self.attempt.actors():
                 ray.kill(actor)
+            if self.attempt.group is not None:
+                remove_placement_group(self.attempt.group)
             self.attempt = None
 
     def _resume_manifest(self, first: bool) -> dict[str, Any] | None:
@@ -355,6 +368,26 @@ class StageRunner:
                                                  f"omni.recovery.{self.recoveries}": message[:4000]})
         run.tracker.log_metrics(run.mlflow_run_id, {"training/recoveries": float(self.recoveries)},
                                 step=len(run.metrics), timestamp_ms=int(time.time() * 1000))
+
+
+def _gang(roles: list[str], resources_of: Callable[[str], dict[str, float]]) -> tuple[PlacementGroup | None,
+                                                                                       list[dict[str, Any]]]:
+    """The actor options of `roles` (one actor each), their resources reserved together (module docstring):
+    a placement group with one bundle per actor that asks for any, ready before any actor is created. An
+    actor that asks for nothing takes no bundle (Ray refuses empty ones; it cannot hold anyone up)."""
+    options = [_options(resources_of(role)) for role in roles]
+    bundles = [{k: v for k, v in resources_of(role).items() if v} for role in roles]
+    wanted = [b for b in bundles if b]
+    if not wanted:
+        return None, options
+    group = placement_group(wanted, strategy="PACK")
+    ray.get(group.ready())
+    index = 0
+    for option, bundle in zip(options, bundles, strict=True):
+        if bundle:
+            option["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+            index += 1
+    return group, options
 
 
 def _options(resources: dict[str, float]) -> dict[str, Any]:
