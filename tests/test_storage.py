@@ -323,3 +323,87 @@ def test_local_root_under_a_regular_file(tmp_path: Path) -> None:
     assert "regular file" in str(err.value)
     with pytest.raises(StorageError, match="regular file"):
         store.write_bytes("k", b"v")
+
+
+class _FlakyS3:
+    """An HTTP front for the moto server that answers the first `failures` PUTs with S3's own 500
+    InternalError (what S3, or moto when two PUTs of one key race, sends back) and forwards every other
+    request to moto unchanged."""
+
+    def __init__(self, target: str, failures: int) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        self.failures, self.puts = failures, 0
+        flaky, host = self, urlsplit(target)
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _answer(self) -> None:
+                import http.client
+
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.command == "PUT":
+                    flaky.puts += 1
+                    if flaky.puts <= flaky.failures:
+                        error = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code>"
+                                 b"<Message>We encountered an internal error. Please try again.</Message></Error>")
+                        self.send_response(500)
+                        self.send_header("Content-Type", "application/xml")
+                        self.send_header("Content-Length", str(len(error)))
+                        self.end_headers()
+                        self.wfile.write(error)
+                        return
+                conn = http.client.HTTPConnection(host.hostname, host.port, timeout=30)
+                try:
+                    conn.request(self.command, self.path, body=body or None, headers=dict(self.headers))
+                    answer = conn.getresponse()
+                    data = answer.read()
+                finally:
+                    conn.close()
+                self.send_response(answer.status)
+                for name, value in answer.getheaders():
+                    if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _answer
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        import threading
+
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("failures, lands", [(2, True), (3, False)])
+def test_s3_server_errors_are_retried_then_reported(
+    s3_bucket: str, moto_server: str, monkeypatch: pytest.MonkeyPatch, failures: int, lands: bool
+) -> None:
+    """A 500 InternalError is retried (S3 asks for it; a PUT of the same bytes is safe to repeat) up to the
+    store's attempts; past them the error names the object."""
+    flaky = _FlakyS3(moto_server, failures)
+    try:
+        monkeypatch.setenv("OMNI_S3_ENDPOINT_URL", flaky.url)
+        store = Store(f"s3://{s3_bucket}/flaky")
+        if lands:
+            store.write_bytes("a/b.bin", b"payload")
+            assert store.read_bytes("a/b.bin") == b"payload"
+        else:
+            with pytest.raises(StorageError, match=f"s3://{s3_bucket}/flaky/a/b.bin") as err:
+                store.write_bytes("a/b.bin", b"payload")
+            assert "\n" not in str(err.value)
+            assert not store.exists("a/b.bin")
+        assert flaky.puts == min(failures + 1, 3)
+    finally:
+        flaky.close()

@@ -34,13 +34,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 from botocore.exceptions import (
-    ConnectionError as BotoConnectionError,
-)
-from botocore.exceptions import (
+    ClientError,
     CredentialRetrievalError,
     HTTPClientError,
     NoCredentialsError,
     PartialCredentialsError,
+)
+from botocore.exceptions import (
+    ConnectionError as BotoConnectionError,
 )
 from fsspec.implementations.local import LocalFileSystem
 
@@ -52,12 +53,41 @@ ENDPOINT_ENV = "OMNI_S3_ENDPOINT_URL"
 S3_PART_SIZE = 8 * 2**20  # multipart part size (and write buffer); 10,000 parts -> objects up to ~80 GB
 S3_CONNECT_TIMEOUT_S = 2
 S3_READ_TIMEOUT_S = 20
-S3_ATTEMPTS = 3  # s3fs-level attempts; botocore itself does not retry (no retry storms)
+S3_ATTEMPTS = 3  # s3fs-level attempts (connection errors, 5xx); botocore itself does not retry (no retries of retries)
 S3_PUT_CONCURRENCY = 10  # parts of one file in flight in put_file (boto3's TransferConfig default)
 CHUNK = 2**20
 _TEMP_NAME = re.compile(r"^\..*\.tmp-[0-9a-f]{32}$")
 _UNREACHABLE = (BotoConnectionError, HTTPClientError, TimeoutError)
 _NO_CREDENTIALS = (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError)
+
+
+_SERVER_SIDE = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout"}
+
+
+def _server_side_error(exc: BaseException) -> bool:
+    """An S3 answer that says "try again" (a 5xx, InternalError, ServiceUnavailable): S3 asks clients to
+    retry these, and every request the store makes is safe to repeat (a PUT writes the same bytes)."""
+    if not isinstance(exc, ClientError):
+        return False
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+    return status >= 500 or exc.response.get("Error", {}).get("Code") in _SERVER_SIDE
+
+
+def _install_s3fs_retry() -> None:
+    """Have s3fs retry server-side errors too (it retries only connection errors and SlowDown by itself,
+    and botocore's own retries stay off here: no retries of retries). s3fs takes one process-wide handler,
+    so one installed before ours is kept and asked first."""
+    import s3fs.core  # here, not at the top: a local store never loads s3fs and aiobotocore
+
+    earlier = s3fs.core.CUSTOM_ERROR_HANDLER
+    if getattr(earlier, "omni_retry", False):
+        return
+
+    def retry(exc: BaseException) -> bool:
+        return bool(earlier(exc)) or _server_side_error(exc)
+
+    retry.omni_retry = True  # type: ignore[attr-defined]
+    s3fs.core.set_custom_error_handler(retry)
 
 
 def _modified(info: dict[str, Any]) -> float:
@@ -350,6 +380,7 @@ class Store:
     # ---- backends -----------------------------------------------------------------------------
 
     def _make_s3(self) -> Any:
+        _install_s3fs_retry()
         endpoint = os.environ.get(ENDPOINT_ENV) or os.environ.get("AWS_ENDPOINT_URL") or None
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
         self.endpoint = _redact(endpoint) if endpoint else None
