@@ -25,13 +25,15 @@ import json
 import os
 import shutil
 import subprocess
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omni_core.backends.verl.check import compose_all
-from omni_core.errors import ConfigError
+from omni_core.errors import ConfigError, StorageError
 from omni_core.paths import cache_dir
+from omni_core.storage import Store
 
 REPO_VERL_PYTHON = Path(__file__).resolve().parents[3] / ".venv-verl" / "bin" / "python"
 PROBE_TIMEOUT_S = 60
@@ -71,10 +73,10 @@ def _probe(python: str) -> tuple[str, str] | None:
 def verl_interpreter(backend_python: str) -> tuple[str | None, str]:
     """(interpreter, where it comes from) or (None, why there is none)."""
     found = _interpreter(backend_python)
-    return (found[0], found[1]) if found else (None, found_none(backend_python))
+    return (found[0], found[1]) if found else (None, _none_found(backend_python))
 
 
-def found_none(backend_python: str) -> str:
+def _none_found(backend_python: str) -> str:
     return (f"neither backend.python ({backend_python}) nor {REPO_VERL_PYTHON} has verl installed "
             "(`make setup` builds .venv-verl)")
 
@@ -87,21 +89,22 @@ def _interpreter(backend_python: str) -> tuple[str, str, str] | None:
     return None
 
 
-def _cache_file(install: str, command: Any) -> Path:
+def _cache_key(install: str, command: Any) -> str:
     key = json.dumps([install, command.config_name, command.overrides, sorted(command.env.items())])
-    return cache_dir("verl-compose") / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+    return f"{hashlib.sha256(key.encode()).hexdigest()}.json"
 
 
 def _compose_cached(python: str, install: str, commands: list[Any]) -> list[ConfigError | None]:
     """For each command: None (verl composes it) or the ConfigError verl refuses it with; the verdicts
     not in the cache are asked of verl's interpreter (one start for all) and kept."""
-    files = [_cache_file(install, c) for c in commands]
+    cache = Store(str(cache_dir("verl-compose")))  # its writes are atomic: a reader sees a verdict whole or none
+    keys = [_cache_key(install, c) for c in commands]
     verdicts: list[ConfigError | None | bool] = []
-    for file in files:
+    for key in keys:
         try:
-            kept = json.loads(file.read_text())
+            kept = cache.read_json(key)
             verdicts.append(None if kept["ok"] else ConfigError(kept["error"]))
-        except (OSError, ValueError, KeyError):
+        except (StorageError, ValueError, KeyError, TypeError):
             verdicts.append(False)  # not known yet
     missing = [i for i, v in enumerate(verdicts) if v is False]
     if missing:
@@ -109,9 +112,8 @@ def _compose_cached(python: str, install: str, commands: list[Any]) -> list[Conf
         for i, outcome in zip(missing, outcomes, strict=True):
             refused = isinstance(outcome, ConfigError)
             verdicts[i] = outcome if refused else None
-            partial = files[i].with_name(f"{files[i].name}.{os.getpid()}.tmp")  # whole or absent for a reader
-            partial.write_text(json.dumps({"ok": not refused, "error": str(outcome) if refused else ""}))
-            os.replace(partial, files[i])
+            with suppress(StorageError):  # a cache that cannot be written is only slower next time
+                cache.write_json(keys[i], {"ok": not refused, "error": str(outcome) if refused else ""})
     return verdicts  # type: ignore[return-value]
 
 
@@ -168,7 +170,7 @@ def check_pipeline(config: Any) -> list[HydraCheck]:
             backend_python, cmd = backend.python, _placeholder_command(stage, config.name, config.seed)
         located = interpreter(backend_python)
         if located is None:
-            results.append(HydraCheck(stage.name, "skipped", found_none(backend_python)))
+            results.append(HydraCheck(stage.name, "skipped", _none_found(backend_python)))
             continue
         python, origin, install = located
         origins[python] = (origin, install)
