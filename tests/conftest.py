@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from module_order import DurationRecorder, sort_items
+from ports import free_port
 
 # Every `omni run` / `omni ingest` a test starts (subprocesses inherit this) uses Prefect's temporary
 # server, not omni's local server (flows/local_prefect.py), which would outlive the test session;
@@ -69,7 +70,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     import httpx
 
     home = tmp_path_factory.mktemp("prefect-server")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     server_env = {
         **os.environ, "PREFECT_HOME": str(home / "server-home"),
@@ -129,16 +130,10 @@ def prefect_client(prefect_server: dict[str, str]) -> Iterator[Any]:
 # ---- S3: a moto server in a real subprocess ------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Endpoint URL (``http://127.0.0.1:PORT``) of a moto S3 server running for the whole session."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("moto") / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 STARTUP_TIMEOUT_S = 120  # a cold start (imports, database migrations) on a busy 2-core machine
 
@@ -38,12 +38,6 @@ class MlflowServer:
     @property
     def artifacts_destination(self) -> str:
         return f"s3://{self.bucket}/mlartifacts"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def s3_environment(endpoint: str) -> dict[str, str]:
@@ -85,7 +79,7 @@ def mlflow_server(moto_server: str, tmp_path_factory: pytest.TempPathFactory,
     s3_env = s3_environment(moto_server)
     boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1", aws_access_key_id="testing",
                  aws_secret_access_key="testing").create_bucket(Bucket=bucket)
-    port = _free_port()
+    port = free_port()
     backend = mlflow_db(folder / "mlflow.db")  # migrated already: the server starts sooner
     env = {**os.environ, **s3_env, "AWS_CONFIG_FILE": str(folder / "no-aws-config"),
            "AWS_SHARED_CREDENTIALS_FILE": str(folder / "no-aws-credentials"),
@@ -119,7 +113,7 @@ def mlflow_server(moto_server: str, tmp_path_factory: pytest.TempPathFactory,
 def ui_server(backend_store_uri: str, folder: Path) -> Iterator[str]:
     """`mlflow server` on an existing backend store (artifacts where its runs logged them: local
     folders), for looking at a pipeline's runs in the UI; yields its URL."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     env.pop("MLFLOW_TRACKING_URI", None)

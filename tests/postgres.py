@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from auth_servers import free_port
+from ports import free_port
 
 
 def pg_bin() -> Path | None:

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,13 +17,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ports import free_port
+
 DRIVER_ONLY_PREFIXES = ("OMNI_S3_", "AWS_", "MLFLOW_", "PYTHONPATH", "RAY_ADDRESS", "PREFECT_")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # The GCS's health check of each raylet, quicker than Ray's default (a check every 3 s, a node declared

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
+from ports import free_port
 
 from flows.deployments import load_prefect_file
 
@@ -34,14 +35,6 @@ POOL = "omni-process"
 RUN_TIMEOUT_S = 300
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -103,7 +96,7 @@ def test_deploy_without_an_api_says_what_to_do(tmp_path: Path) -> None:
     unset = omni(None, "deploy", PREFECT_HOME=str(tmp_path / "home"))
     assert unset.returncode == 2, unset.stdout + unset.stderr
     assert "PREFECT_API_URL is not set" in unset.stderr and "prefect server start" in unset.stderr
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     unreachable = omni(None, "deploy", PREFECT_HOME=str(tmp_path / "home"),
                        PREFECT_API_URL=f"http://127.0.0.1:{port}/api")
     assert unreachable.returncode == 2, unreachable.stdout + unreachable.stderr

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from ports import free_port
 
 from omni_core.config import DatasetConfig
 from omni_core.config.loader import load_pipeline
@@ -28,12 +28,6 @@ from omni_core.storage import Store
 from omni_core.training.__main__ import main, rl_stage, submission_id
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from ports import free_port
 from verl_env import verl_python
 
 from omni_core.backends.jobs.job import (
@@ -40,12 +40,6 @@ from omni_core.storage import Store
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_jobs():
     """A JobSubmissionClient on a `ray start --head --block` of our own (own temp dir, process group), with the
@@ -54,14 +48,14 @@ def ray_jobs():
     from ray.job_submission import JobSubmissionClient
 
     temp = tempfile.mkdtemp(prefix="rv", dir="/tmp")  # short: Ray's socket paths live under it
-    dashboard = _free_port()
+    dashboard = free_port()
     head_log = open(Path(temp) / "head.log", "wb")  # noqa: SIM115 - closed with the head below
     head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-                             f"--port={_free_port()}", "--num-cpus=8", "--node-ip-address=127.0.0.1",
+                             f"--port={free_port()}", "--num-cpus=8", "--node-ip-address=127.0.0.1",
                              "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--include-dashboard=true",
                              # the agents' default ports (52365, ...) are taken when another head runs
-                             f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-                             f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+                             f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
                              f"--temp-dir={temp}"], stdout=head_log, stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     try:
