@@ -127,8 +127,11 @@ def show_command(
     if rows and keys:
         import pyarrow.parquet as pq  # here, not at the top: every `omni` command imports this module (~1 s)
 
+        # read in this thread only: Arrow's pool threads (pre-buffering, decoding) that are still being torn
+        # down when a short command exits can abort the process ("terminate called without an active
+        # exception", SIGABRT: apache/arrow#34314), seen once on `omni datasets show` in the test suite
         with st.open_read(keys[0]) as f:
-            sample = pq.ParquetFile(f).read_row_group(0).slice(0, rows).to_pylist()
+            sample = pq.ParquetFile(f, pre_buffer=False).read_row_group(0, use_threads=False).slice(0, rows).to_pylist()
         for i, row in enumerate(sample):
             console.print(f"[bold]{split}[{i}][/bold]")
             for column, value in row.items():
