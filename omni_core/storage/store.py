@@ -62,15 +62,16 @@ _NO_CREDENTIALS = (NoCredentialsError, PartialCredentialsError, CredentialRetrie
 
 
 _SERVER_SIDE = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout"}
+_TRANSIENT_STATUS = {500, 502, 503, 504}  # not 501 NotImplemented: asking again would not change the answer
 
 
 def _server_side_error(exc: BaseException) -> bool:
-    """An S3 answer that says "try again" (a 5xx, InternalError, ServiceUnavailable): S3 asks clients to
+    """An S3 answer that says "try again" (500/502/503/504, InternalError, ServiceUnavailable): S3 asks clients to
     retry these, and every request the store makes is safe to repeat (a PUT writes the same bytes)."""
     if not isinstance(exc, ClientError):
         return False
-    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-    return status >= 500 or exc.response.get("Error", {}).get("Code") in _SERVER_SIDE
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status in _TRANSIENT_STATUS or exc.response.get("Error", {}).get("Code") in _SERVER_SIDE
 
 
 def _install_s3fs_retry() -> None:
