@@ -175,8 +175,7 @@ class StageRunner:
         split = stage.record.separate_async  # rollout on rollout workers; else steps inside the trainer
         ex = stage.execution
         self._check_capacity(split)
-        roles = ["trainer"] + ["rollout"] * (ex.rollout_workers if split else 0) \
-            + ["reward"] * (ex.reward_workers if split and ex.async_reward else 0)
+        roles = self._roles(split)
         group, placed = _gang(roles, stage.role_resources)
         rows = ray.put(run.rows)
         trainer = TrainerWorker.options(**placed[0]).remote(spec, run.seed, rows)
@@ -188,15 +187,18 @@ class StageRunner:
         ray.get([a.pid.remote() for a in self.attempt.actors()])  # constructed (models loaded)
         return self.attempt
 
+    def _roles(self, split: bool) -> list[str]:
+        """One role per actor of an attempt: the trainer, then its rollout and reward workers."""
+        ex = self.stage.execution
+        return ["trainer"] + ["rollout"] * (ex.rollout_workers if split else 0) \
+            + ["reward"] * (ex.reward_workers if split and ex.async_reward else 0)
+
     def _demand(self, split: bool) -> dict[str, float]:
         """The resources all of this stage's actors ask for together."""
-        stage, ex = self.stage, self.stage.execution
-        counts = {"trainer": 1, "rollout": ex.rollout_workers if split else 0,
-                  "reward": ex.reward_workers if split and ex.async_reward else 0}
         demand: dict[str, float] = {}
-        for role, count in counts.items():
-            for name, amount in stage.role_resources(role).items():
-                demand[name] = demand.get(name, 0.0) + count * amount
+        for role in self._roles(split):
+            for name, amount in self.stage.role_resources(role).items():
+                demand[name] = demand.get(name, 0.0) + amount
         return {k: v for k, v in demand.items() if v}
 
     def _check_capacity(self, split: bool) -> None:

@@ -143,7 +143,7 @@ def check_pipeline(config: Any) -> list[HydraCheck]:
     from omni_core.backends.verl.options import VerlBackend
 
     results: list[HydraCheck] = []
-    pending: dict[str, list[tuple[str, Any]]] = {}
+    pending: dict[tuple[str, str, str], list[tuple[str, Any]]] = {}  # by (interpreter, origin, install)
     found: dict[str, tuple[str, str, str] | None] = {}
 
     def interpreter(backend_python: str) -> tuple[str, str, str] | None:
@@ -151,7 +151,6 @@ def check_pipeline(config: Any) -> list[HydraCheck]:
             found[backend_python] = _interpreter(backend_python)
         return found[backend_python]
 
-    origins: dict[str, tuple[str, str]] = {}
     for stage in config.stages:
         if getattr(stage, "engine", None) == "trainer":  # an eval by a verl stage's own validation
             command = _validation_command(config, stage)
@@ -172,11 +171,8 @@ def check_pipeline(config: Any) -> list[HydraCheck]:
         if located is None:
             results.append(HydraCheck(stage.name, "skipped", _none_found(backend_python)))
             continue
-        python, origin, install = located
-        origins[python] = (origin, install)
-        pending.setdefault(python, []).append((stage.name, cmd))
-    for python, items in pending.items():
-        origin, install = origins[python]
+        pending.setdefault(located, []).append((stage.name, cmd))
+    for (python, origin, install), items in pending.items():
         for (name, _), refused in zip(items, _compose_cached(python, install, [cmd for _, cmd in items]), strict=True):
             if refused is not None:
                 results.append(HydraCheck(name, "refused", str(refused)))
