@@ -9,10 +9,15 @@ STAMP := $(VENV)/.installed
 VERL_VENV := .venv-verl
 VERL_STAMP := $(VERL_VENV)/.installed
 VERL_REQUIREMENTS := "verl[verl-core]==0.9.1" "mlflow>=3.1,<4"
+# Every other package at the version the tests last passed with (`make lock` writes them): pyproject and
+# verl name ranges, and a newer transformers or numpy changes a seeded run's numbers (seen: the verl
+# e2e's GRPO gain changed sign on a freshly resolved environment).
+VENV_LOCK := constraints/venv.txt
+VERL_LOCK := constraints/verl.txt
 # System packages the tests use (installed with apt-get when running as root).
 SYSTEM_PACKAGES := git buildah skopeo docker-registry busybox-static tesseract-ocr tesseract-ocr-eng fonts-dejavu-core postgresql chromium
 
-.PHONY: setup environments demo test lint bench clean
+.PHONY: setup environments demo test lint bench lock clean
 
 # The two environments are independent: they are set up side by side (each pip mostly busy on one core
 # of the 2-core CI machine), each one's output printed together when it is done.
@@ -22,25 +27,25 @@ setup:
 environments: $(STAMP) $(VERL_STAMP)
 	@:
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(VENV_LOCK)
 	@scripts/install-system-packages.sh $(SYSTEM_PACKAGES)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 	@# torch is pinned here: a CPU build from this machine's disk (a looser pin pulls multi-GB CUDA wheels).
 	@# --no-compile: as for .venv-verl below (byte-compiling all 28k modules took 68 CPU s; the tests import
 	@# about a quarter of them, compiled on first use).
-	$(BIN)/python -m pip install --quiet --no-compile "torch==2.13.0" -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
+	$(BIN)/python -m pip install --quiet --no-compile -c $(VENV_LOCK) "torch==2.13.0" -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
 	@touch $(STAMP)
 
 # torch==2.13.0 (the CPU build on this machine's disk) goes in first and stays pinned in the second
 # call, so pip never pulls the CUDA torch verl's extras name. Both calls use pip's cache; --no-compile
 # skips byte-compiling ~2.5 GB of packages (measured: 4m32s -> 1m17s on the 2-core CI machine; the
 # modules a run imports are compiled on first use).
-$(VERL_STAMP): Makefile
+$(VERL_STAMP): Makefile $(VERL_LOCK)
 	@test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_VENV)/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 	$(VERL_VENV)/bin/python -m pip install --quiet --no-compile "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
-	$(VERL_VENV)/bin/python -m pip install --quiet --no-compile "torch==2.13.0" $(VERL_REQUIREMENTS) 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
+	$(VERL_VENV)/bin/python -m pip install --quiet --no-compile -c $(VERL_LOCK) "torch==2.13.0" $(VERL_REQUIREMENTS) 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
 	@touch $(VERL_STAMP)
 
 demo: $(STAMP)
@@ -66,12 +71,20 @@ lint: setup
 BENCH_STAMP := $(VENV)/.installed-bench
 
 $(BENCH_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet --no-compile "torch==2.13.0" -e ".[dev,bench]" 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
+	$(BIN)/python -m pip install --quiet --no-compile -c $(VENV_LOCK) "torch==2.13.0" -e ".[dev,bench]" 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
 	@touch $(BENCH_STAMP)
 
 bench: setup $(BENCH_STAMP)
 	@# the scripts only: bench/learning_{preference,flow}.py are modules that bench/learning.py runs
 	@for script in $$(grep -l '^if __name__ == "__main__":' bench/*.py); do echo "== $$script"; $(BIN)/python $$script --quick || exit 1; done
+
+# What the two environments hold, written as the locks. To move to newer releases: empty a lock
+# (`: > constraints/venv.txt`), `make clean test`, then `make lock` (torch stays pinned above).
+lock:
+	@{ echo "# .venv's resolved versions (make lock); torch is pinned in the Makefile"; \
+	   $(BIN)/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > $(VENV_LOCK)
+	@{ echo "# .venv-verl's resolved versions (make lock); torch is pinned in the Makefile"; \
+	   $(VERL_VENV)/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > $(VERL_LOCK)
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) .omni
