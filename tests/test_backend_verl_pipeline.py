@@ -329,9 +329,11 @@ def faults(uninterrupted, ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  
               "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
                          rl_stage(shared, model=sft_checkpoint,
                                   execution={"max_failures": 1, "retry_backoff_s": 1.0}),
-                         # many steps: it is cancelled at its first mirrored checkpoint
+                         # many steps: it is cancelled at its first mirrored checkpoint (smaller steps than
+                         # rl's: nothing is compared with its weights)
                          {**rl_stage(shared, name="gspo", algorithm=GSPO, steps=50, model=sft_checkpoint),
-                          "after": ["rl"]}]}
+                          "after": ["rl"], "rollout": {"n": 4, "temperature": 1.0, "max_new_tokens": 8},
+                          "trainer": {"total_steps": 50, "batch_size": 8, "lr": 5e-4, "max_prompt_tokens": 64}}]}
     store = Store(store_uri)
     seen: dict = {}
     stop = threading.Event()
