@@ -10,8 +10,7 @@ VERL_VENV := .venv-verl
 VERL_STAMP := $(VERL_VENV)/.installed
 VERL_REQUIREMENTS := "verl[verl-core]==0.9.1" "mlflow>=3.1,<4"
 # Every other package at the version the tests last passed with (`make lock` writes them): pyproject and
-# verl name ranges, and a newer transformers or numpy changes a seeded run's numbers (seen: the verl
-# e2e's GRPO gain changed sign on a freshly resolved environment).
+# verl name ranges, and a freshly set-up machine gave the seeded verl e2e other numbers (README, set-up).
 VENV_LOCK := constraints/venv.txt
 VERL_LOCK := constraints/verl.txt
 # System packages the tests use (installed with apt-get when running as root).
@@ -80,11 +79,12 @@ bench: setup $(BENCH_STAMP)
 
 # What the two environments hold, written as the locks. To move to newer releases: empty a lock
 # (`: > constraints/venv.txt`), `make clean test`, then `make lock` (torch stays pinned above).
+write_lock = { echo "\# $(1)'s resolved versions (make lock); torch is pinned in the Makefile"; \
+	$(1)/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > $(2)
+
 lock:
-	@{ echo "# .venv's resolved versions (make lock); torch is pinned in the Makefile"; \
-	   $(BIN)/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > $(VENV_LOCK)
-	@{ echo "# .venv-verl's resolved versions (make lock); torch is pinned in the Makefile"; \
-	   $(VERL_VENV)/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > $(VERL_LOCK)
+	@$(call write_lock,$(VENV),$(VENV_LOCK))
+	@$(call write_lock,$(VERL_VENV),$(VERL_LOCK))
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) .omni

@@ -73,13 +73,13 @@ def sft_stage(shared_dir: Path, **extra) -> dict:
 
 
 def rl_stage(shared_dir: Path, *, name: str = "rl", algorithm: dict | None = None, steps: int = RL_STEPS,
-             model: dict | str | None = None, **extra) -> dict:
+             model: dict | str | None = None, n: int = 8, batch_size: int = 16, **extra) -> dict:
     """A verl main_ppo stage on CPU: GRPO by default, from the sft stage's checkpoint, the digits reward
     (partial credit, so a group's responses score differently and the policy gradient is not zero)."""
     return {"name": name, "kind": "rl", "after": ["sft"] if model is None else ["ingest"],
             "model": model or {"from": "sft"}, "data": "digits:train", "algorithm": algorithm or {"name": "grpo"},
-            "rollout": {"n": 8, "temperature": 1.0, "max_new_tokens": 8}, "reward": {"name": "digits"},
-            "trainer": {"total_steps": steps, "batch_size": 16, "lr": 5e-4, "max_prompt_tokens": 64},
+            "rollout": {"n": n, "temperature": 1.0, "max_new_tokens": 8}, "reward": {"name": "digits"},
+            "trainer": {"total_steps": steps, "batch_size": batch_size, "lr": 5e-4, "max_prompt_tokens": 64},
             "checkpoint": {"save_freq": 1, "max_to_keep": None},
             "backend": {"name": "verl", "python": verl_python(), "shared_dir": str(shared_dir), "device": "cpu",
                         "overrides": ["trainer.val_before_train=false", *MICRO_BATCHES]}, **extra}
@@ -331,9 +331,8 @@ def faults(uninterrupted, ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  
                                   execution={"max_failures": 1, "retry_backoff_s": 1.0}),
                          # many steps: it is cancelled at its first mirrored checkpoint (smaller steps than
                          # rl's: nothing is compared with its weights)
-                         {**rl_stage(shared, name="gspo", algorithm=GSPO, steps=50, model=sft_checkpoint),
-                          "after": ["rl"], "rollout": {"n": 4, "temperature": 1.0, "max_new_tokens": 8},
-                          "trainer": {"total_steps": 50, "batch_size": 8, "lr": 5e-4, "max_prompt_tokens": 64}}]}
+                         {**rl_stage(shared, name="gspo", algorithm=GSPO, steps=50, model=sft_checkpoint, n=4,
+                                     batch_size=8), "after": ["rl"]}]}
     store = Store(store_uri)
     seen: dict = {}
     stop = threading.Event()
