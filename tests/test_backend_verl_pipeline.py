@@ -11,7 +11,7 @@ checkpoints, and the registered version's lineage down to the raw files.
 The faults run the `pipeline` flow itself (`omni run` in a subprocess, Prefect's embedded API), once:
 ingest -> rl (GRPO from the module run's sft checkpoint) -> gspo (main_ppo's GSPO loss). The GRPO
 trainer is SIGKILLed once a step is mirrored and the shared path emptied: the flow's task retry resumes
-from S3 to the same final weights as the uninterrupted run (the module run's rl stage). Then, once the
+from S3 to the weights the uninterrupted run (the module run's rl stage) had at that step. Then, once the
 GSPO job mirrored its first checkpoint, the flow-run process is SIGTERMed (what Prefect's worker sends
 on cancel): the flow stops the Ray Job. (One flow for both: each verl RL job's start-up, its actors
 importing verl one after another, is most of its time.)"""
@@ -56,6 +56,10 @@ DIGITS = {"digits": {"source": "fixtures://digits?rows=120&seed=7", "converter":
 TOTAL_STEPS = 80  # sft: the model answers in digits and has begun to learn the rotation (eval ~0.22)
 SFT_SAVE_FREQ = 40
 RL_STEPS = 4
+# the fault run's GRPO stage: killed after step 1, resumed to step 2, compared with the module run's step 2
+# (verl's learning rate is constant and its sampler's order seeded, so total_steps changes no step before it)
+FAULT_RL_STEPS = 2
+HF_WEIGHTS = "actor/huggingface/model.safetensors"  # verl's Hugging Face save in a main_ppo checkpoint
 # one forward for 16 sequences (verl's default micro batch is 1: on CPU 16 single-row forwards cost ~1.6x the
 # step); measured: the same weights and eval rewards as micro batch 1 on this module's runs
 MICRO_BATCHES = [f"{role}_micro_batch_size_per_gpu=16" for role in (
@@ -327,7 +331,7 @@ def faults(uninterrupted, ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  
     config = {"name": "verl-fault", "store": store_uri, "tracking_uri": mlflow_server.url,
               "ray": {"address": ray_jobs.get_address()}, "datasets": DIGITS,
               "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
-                         rl_stage(shared, model=sft_checkpoint,
+                         rl_stage(shared, model=sft_checkpoint, steps=FAULT_RL_STEPS,
                                   execution={"max_failures": 1, "retry_backoff_s": 1.0}),
                          # many steps: it is cancelled at its first mirrored checkpoint (smaller steps than
                          # rl's: nothing is compared with its weights)
@@ -362,12 +366,12 @@ def faults(uninterrupted, ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  
 
 def test_a_killed_rl_trainer_is_retried_by_the_flow_and_resumes_from_s3_to_the_same_weights(
         faults, uninterrupted, mlflow_server, tmp_path):  # noqa: F811
-    """The module run's GRPO stage again, inside the `pipeline` flow (`omni run`), from the same sft
-    checkpoint (its URI): once it saved step 1 its driver and trainer loop are paused, and SIGKILLed once
+    """The module run's GRPO stage again for its first 2 steps, inside the `pipeline` flow (`omni run`),
+    from the same sft checkpoint (its URI): once it saved step 1 its driver and trainer loop are paused, and SIGKILLed once
     that step is mirrored to S3, and the shared path is deleted; the flow's task retry
     (`execution.max_failures: 1`) resubmits `-attempt-2`, which restores the mirrored checkpoint from S3
-    and resumes with verl's resume_mode=auto. The final weights are byte-identical to the uninterrupted
-    run's: verl's GRPO on one CPU rank is deterministic with the CPU rollout (per-request sampling seeds,
+    and resumes with verl's resume_mode=auto. Its step-2 weights are byte-identical to the uninterrupted
+    run's step 2: verl's GRPO on one CPU rank is deterministic with the CPU rollout (per-request sampling seeds,
     the batch sorted into submission order; runtime/omni_verl_cpu_rollout.py), and the restored optimizer
     state, data cursor and weights version carry the run on exactly."""
     seen, log, store, shared = faults["seen"], faults["log"], faults["store"], faults["shared"]
@@ -385,7 +389,7 @@ def test_a_killed_rl_trainer_is_retried_by_the_flow_and_resumes_from_s3_to_the_s
                                    f"tags.`omni.verl.submission_id` = '{attempt2}'")
     local = client.download_artifacts(retried.info.run_id, f"verl/{attempt2}.log", str(tmp_path))
     steps = [int(s) for s in STEP_LINE.findall(Path(local).read_text())]
-    assert steps and min(steps) == resumed + 1 and max(steps) == RL_STEPS  # resumed, not restarted
+    assert steps and min(steps) == resumed + 1 and max(steps) == FAULT_RL_STEPS  # resumed, not restarted
 
     # the restored optimizer state and data cursor are the mirrored bytes (restore checks every sha256)
     restored = store.read_json(f"{root}/checkpoints/global_step_{resumed}/{MANIFEST}")
@@ -395,10 +399,16 @@ def test_a_killed_rl_trainer_is_retried_by_the_flow_and_resumes_from_s3_to_the_s
     run_dir = shared / "runs" / "verl-fault" / run_key / "rl"
     for name in ("actor/optim_world_size_1_rank_0.pt", "data.pt"):
         assert file_digest(run_dir / f"global_step_{resumed}" / name)[1] == by_path[name]
-    # ... and the final weights are the uninterrupted run's, byte for byte
-    final = store.read_json(f"{root}/checkpoints/global_step_{RL_STEPS}/{MANIFEST}")
-    weights = next(f["sha256"] for f in final["files"] if f["path"] == "model.safetensors")
-    assert weights == uninterrupted["run"].outcomes["rl"].outputs["weights_sha256"]
+    # ... and the final weights are the uninterrupted run's at that step, byte for byte (verl's own Hugging
+    # Face save, in every checkpoint; the final one's is also committed as the stage's weights)
+    def weights(root_key: str, step: int) -> dict[str, str]:
+        manifest = store.read_json(f"{root_key}/checkpoints/global_step_{step}/{MANIFEST}")
+        return {f["path"]: f["sha256"] for f in manifest["files"] if f["path"].endswith("model.safetensors")}
+
+    clean_root = stage_prefix("verl-e2e", uninterrupted["run"].outcomes["rl"].outputs["run_key"], "rl")
+    final = weights(root, FAULT_RL_STEPS)
+    assert final["model.safetensors"] == final[HF_WEIGHTS] == weights(clean_root, FAULT_RL_STEPS)[HF_WEIGHTS]
+    assert final[HF_WEIGHTS] != weights(root, resumed)[HF_WEIGHTS]  # the step after the resumed one trained
 
 
 def test_cancelling_the_flow_run_stops_the_ray_job(faults, ray_jobs, mlflow_server):  # noqa: F811
