@@ -5,9 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The verl backend's own environment (omni_core/backends/verl): the tests run verl's trainer and Hydra
-# configs in it, as the Ray Job's `python`. The project's .venv never imports verl. verl logs through MLflow's
-# client (mlflow-skinny): the full package adds scikit-learn, which transformers then imports in every
-# process of a verl job (~1.2 s of CPU each).
+# configs in it, as the Ray Job's `python`. The project's .venv never imports verl. mlflow-skinny: verl's
+# logger needs MLflow's client only (why not the full package: README, set-up).
 VERL_VENV := .venv-verl
 VERL_STAMP := $(VERL_VENV)/.installed
 VERL_REQUIREMENTS := "verl[verl-core]==0.9.1" "mlflow-skinny>=3.1,<4"

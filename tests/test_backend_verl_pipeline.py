@@ -48,7 +48,7 @@ from omni_core.backends.jobs.job import STEP_LINE
 from omni_core.backends.verl.stage import REWARD_FILES
 from omni_core.config import validate_pipeline
 from omni_core.storage import Store
-from omni_core.training.checkpoint import LATEST, MANIFEST, checkpoint_steps, stage_prefix
+from omni_core.training.checkpoint import LATEST, MANIFEST, checkpoint_prefix, checkpoint_steps, stage_prefix
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the module run: 3 verl jobs on a loaded 2-core machine
 
@@ -367,12 +367,12 @@ def faults(uninterrupted, ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  
 def test_a_killed_rl_trainer_is_retried_by_the_flow_and_resumes_from_s3_to_the_same_weights(
         faults, uninterrupted, mlflow_server, tmp_path):  # noqa: F811
     """The module run's GRPO stage again for its first 2 steps, inside the `pipeline` flow (`omni run`),
-    from the same sft checkpoint (its URI): once it saved step 1 its driver and trainer loop are paused, and SIGKILLed once
-    that step is mirrored to S3, and the shared path is deleted; the flow's task retry
+    from the same sft checkpoint (its URI): once it saved step 1 its driver and trainer loop are paused,
+    and SIGKILLed once that step is mirrored to S3, and the shared path is deleted; the flow's task retry
     (`execution.max_failures: 1`) resubmits `-attempt-2`, which restores the mirrored checkpoint from S3
     and resumes with verl's resume_mode=auto. Its step-2 weights are byte-identical to the uninterrupted
-    run's step 2: verl's GRPO on one CPU rank is deterministic with the CPU rollout (per-request sampling seeds,
-    the batch sorted into submission order; runtime/omni_verl_cpu_rollout.py), and the restored optimizer
+    run's step 2: verl's GRPO on one CPU rank is deterministic with the CPU rollout (per-request sampling
+    seeds, the batch sorted into submission order; runtime/omni_verl_cpu_rollout.py), and the restored optimizer
     state, data cursor and weights version carry the run on exactly."""
     seen, log, store, shared = faults["seen"], faults["log"], faults["store"], faults["shared"]
     assert seen.get("killed"), f"the trainer was never killed:\n{log[-3000:]}"
@@ -401,14 +401,14 @@ def test_a_killed_rl_trainer_is_retried_by_the_flow_and_resumes_from_s3_to_the_s
         assert file_digest(run_dir / f"global_step_{resumed}" / name)[1] == by_path[name]
     # ... and the final weights are the uninterrupted run's at that step, byte for byte (verl's own Hugging
     # Face save, in every checkpoint; the final one's is also committed as the stage's weights)
-    def weights(root_key: str, step: int) -> dict[str, str]:
-        manifest = store.read_json(f"{root_key}/checkpoints/global_step_{step}/{MANIFEST}")
-        return {f["path"]: f["sha256"] for f in manifest["files"] if f["path"].endswith("model.safetensors")}
+    def digests(root_key: str, step: int) -> dict[str, str]:
+        manifest = store.read_json(f"{checkpoint_prefix(root_key, step)}/{MANIFEST}")
+        return {f["path"]: f["sha256"] for f in manifest["files"]}
 
     clean_root = stage_prefix("verl-e2e", uninterrupted["run"].outcomes["rl"].outputs["run_key"], "rl")
-    final = weights(root, FAULT_RL_STEPS)
-    assert final["model.safetensors"] == final[HF_WEIGHTS] == weights(clean_root, FAULT_RL_STEPS)[HF_WEIGHTS]
-    assert final[HF_WEIGHTS] != weights(root, resumed)[HF_WEIGHTS]  # the step after the resumed one trained
+    final = digests(root, FAULT_RL_STEPS)
+    assert final["model.safetensors"] == final[HF_WEIGHTS] == digests(clean_root, FAULT_RL_STEPS)[HF_WEIGHTS]
+    assert final[HF_WEIGHTS] != by_path[HF_WEIGHTS]  # the step after the resumed one trained
 
 
 def test_cancelling_the_flow_run_stops_the_ray_job(faults, ray_jobs, mlflow_server):  # noqa: F811
