@@ -156,6 +156,34 @@ def test_an_alias_named_a_version_that_a_racer_then_dropped_settles_on_the_next(
     assert rounds[:2] == [v2, v1] and str(client.get_model_version_by_alias("m", CANDIDATE).version) == v1
 
 
+def test_an_alias_created_by_a_racer_between_mlflows_read_and_insert_settles(client: Any) -> None:
+    """The sweep's race on CI: `candidate` unset, two register stages set it at once; MLflow's set
+    reads the alias then inserts it, so the slower insert fails on the unique key (sqlite's
+    IntegrityError, Postgres's alike). Forced: the racer's set commits right before this run's INSERT."""
+    import threading
+
+    from sqlalchemy import event
+
+    ensure_registered_model(client, "m", "p")
+    v1, v2 = version(client, "m", 0.1), version(client, "m", 0.2)
+    engine = client._get_registry_client().store.engine
+    raced: list[bool] = []
+
+    def racer_first(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("INSERT INTO REGISTERED_MODEL_ALIASES") and not raced:
+            raced.append(True)  # the racer (its own thread, its own connection) names the older version
+            other = threading.Thread(target=client.set_registered_model_alias, args=("m", CANDIDATE, v1))
+            other.start()
+            other.join()
+
+    event.listen(engine, "before_cursor_execute", racer_first)
+    try:
+        assert settle_candidate(client, "m") == v2
+    finally:
+        event.remove(engine, "before_cursor_execute", racer_first)
+    assert raced and str(client.get_model_version_by_alias("m", CANDIDATE).version) == v2
+
+
 def test_two_registrations_of_one_key_leave_one_version(client: Any) -> None:
     ensure_registered_model(client, "m", "p")
     first = client.get_model_version("m", version(client, "m", 0.3, key="k1"))

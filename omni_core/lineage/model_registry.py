@@ -12,7 +12,8 @@ a tracking server (Postgres) that several machines write to:
   deletes its own and uses that one (MLflow numbers versions in commit order, so the lower one is
   always visible to the racer that created the higher);
 - an alias: moved to what the rule names, then read again with the rule re-evaluated, until a read
-  after the last move agrees. Whoever writes last re-checks after writing, so the alias ends where the
+  after the last move agrees (a move that fails because a racer moved or created the alias meanwhile
+  is one more round). Whoever writes last re-checks after writing, so the alias ends where the
   rule over everything committed points, whatever the interleaving;
 - `candidate`: the newest version;
 - `champion`: the best-scoring of the current champion and the versions that passed their promotion
@@ -93,10 +94,13 @@ def settle_alias(client: Any, name: str, alias: str, rule: Callable[[Any | None]
         try:
             client.set_registered_model_alias(name, alias, wanted)
         except MlflowException:
-            if _exists(client, name, wanted):
+            after = alias_version(client, name, alias)
+            if _exists(client, name, wanted) and held == (None if after is None else str(after.version)):
                 raise
-            # the version the rule named was deleted since it was read (a racer that registered the same
-            # key dropped its own, keep_first_of_key): evaluate again
+            # a racer's write: the version the rule named was deleted since it was read (a racer that
+            # registered the same key dropped its own, keep_first_of_key), or the alias was written at
+            # once by another run (MLflow's set reads then inserts: the slower insert of a new alias fails
+            # on the unique key): evaluate again
     return held
 
 
