@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from mlflow.exceptions import MlflowException
 from pipeline_runs import check_sweep, sweep_configs
 from ray_cluster import start_cluster
 
@@ -36,6 +37,7 @@ from omni_core.lineage.model_registry import (
     REGISTER_KEY,
     ensure_registered_model,
     keep_first_of_key,
+    set_version_tags,
     settle_alias,
     settle_candidate,
     settle_champion,
@@ -182,6 +184,37 @@ def test_an_alias_created_by_a_racer_between_mlflows_read_and_insert_settles(cli
     finally:
         event.remove(engine, "before_cursor_execute", racer_first)
     assert raced and str(client.get_model_version_by_alias("m", CANDIDATE).version) == v2
+
+
+def test_a_version_tag_inserted_by_a_racer_at_once_is_set(client: Any) -> None:
+    """Two identical runs share one version (keep_first_of_key) and both write their promotion decision
+    on it: the racer's tag committed right before this run's INSERT of the same tag (MLflow's set reads
+    then inserts) leaves this run's value, not an IntegrityError."""
+    import threading
+
+    from sqlalchemy import event
+
+    ensure_registered_model(client, "m", "p")
+    v1 = version(client, "m", 0.1, promotion="")
+    engine = client._get_registry_client().store.engine
+    raced: list[bool] = []
+
+    def racer_first(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("INSERT INTO MODEL_VERSION_TAGS") and not raced:
+            raced.append(True)
+            other = threading.Thread(target=client.set_model_version_tag, args=("m", v1, "omni.reason", "racer"))
+            other.start()
+            other.join()
+
+    event.listen(engine, "before_cursor_execute", racer_first)
+    try:
+        set_version_tags(client, "m", v1, {"omni.reason": "mine", "omni.promotion": "promoted"})
+    finally:
+        event.remove(engine, "before_cursor_execute", racer_first)
+    tags = client.get_model_version("m", v1).tags
+    assert raced and tags["omni.reason"] == "mine" and tags["omni.promotion"] == "promoted"
+    with pytest.raises(MlflowException, match="not found"):  # not a race: the error stands
+        set_version_tags(client, "m", "99", {"omni.reason": "x"})
 
 
 def test_two_registrations_of_one_key_leave_one_version(client: Any) -> None:

@@ -10,7 +10,8 @@ a tracking server (Postgres) that several machines write to:
 - a version: one per registration key (the register stage's cache key, tag `omni.register_key`):
   of the versions with the same key, the lowest number is kept and a racer that created another
   deletes its own and uses that one (MLflow numbers versions in commit order, so the lower one is
-  always visible to the racer that created the higher);
+  always visible to the racer that created the higher); the version's tags, which two identical runs
+  may write at once, are set again when a racer inserted the same tag first;
 - an alias: moved to what the rule names, then read again with the rule re-evaluated, until a read
   after the last move agrees (a move that fails because a racer moved or created the alias meanwhile
   is one more round). Whoever writes last re-checks after writing, so the alias ends where the
@@ -68,6 +69,26 @@ def keep_first_of_key(client: Any, name: str, version: Any, key: str) -> tuple[A
         return version, True
     client.delete_model_version(name, version.version)
     return client.get_model_version(name, first.version), False
+
+
+def set_version_tags(client: Any, name: str, version: str, tags: dict[str, str]) -> None:
+    """Tags on a model version that a racer may be tagging too (two identical runs share one version,
+    keep_first_of_key): MLflow's set reads the tag then inserts it, so the slower insert of a new tag
+    fails on the unique key; the tag then exists and a second set updates it (the last write stands)."""
+    for key, value in tags.items():
+        try:
+            client.set_model_version_tag(name, version, key, value)
+        except MlflowException:
+            if not _has_tag(client, name, version, key):
+                raise  # not a racer's insert: the error stands
+            client.set_model_version_tag(name, version, key, value)
+
+
+def _has_tag(client: Any, name: str, version: str, key: str) -> bool:
+    try:
+        return key in (client.get_model_version(name, version).tags or {})
+    except MlflowException:
+        return False
 
 
 def alias_version(client: Any, name: str, alias: str) -> Any | None:

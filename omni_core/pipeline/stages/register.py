@@ -38,6 +38,7 @@ from omni_core.lineage.model_registry import (
     REGISTER_KEY,
     ensure_registered_model,
     keep_first_of_key,
+    set_version_tags,
     settle_candidate,
     settle_champion,
 )
@@ -193,8 +194,7 @@ def run_register(ctx: Any) -> dict[str, Any]:
                     "omni.promotion_reason": why,
                     **({"omni.baseline_gain": repr(gain)} if gain is not None else {}),
                     "omni.promotion": PROMOTED if promoted else KEPT}
-        for key, value in redact_mapping(decision).items():
-            client.set_model_version_tag(stage.model_name, version.version, key, value)
+        set_version_tags(client, stage.model_name, version.version, redact_mapping(decision))
     champion_version = str(champion.version) if champion is not None else ""
     if promoted:  # the champion's race-safe move: the best of this version and any that raced it
         champion_version = settle_champion(client, stage.model_name, metric, stage.greater_is_better,
@@ -203,8 +203,8 @@ def run_register(ctx: Any) -> dict[str, Any]:
             promoted = False
             why = (f"{why}; but version {champion_version}, registered at the same time, scored better and is "
                    f"{CHAMPION}")
-            for key, value in redact_mapping({"omni.promotion_reason": why, "omni.promotion": KEPT}).items():
-                client.set_model_version_tag(stage.model_name, version.version, key, value)
+            set_version_tags(client, stage.model_name, version.version,
+                             redact_mapping({"omni.promotion_reason": why, "omni.promotion": KEPT}))
     ctx.tracker.set_tags(ctx.mlflow_run_id, {"omni.registered_model": stage.model_name,
                                              "omni.registered_version": version.version,
                                              "omni.promotion": PROMOTED if promoted else KEPT})
