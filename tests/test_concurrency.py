@@ -2,8 +2,9 @@
 
 The races, each forced deterministically against the real thing (a sqlite MLflow database, a local
 store; no mocks): a fresh sqlite database opened by several processes at once; the registry's
-get-or-creates, a duplicate registration, and aliases written stale by the slower of two register
-stages (`omni_core.lineage.model_registry`); ingests of one dataset version at once, and LATEST
+get-or-creates, a duplicate registration, aliases written stale by the slower of two register
+stages or created by two at once, a version tag two identical runs insert at once
+(`omni_core.lineage.model_registry`); ingests of one dataset version at once, and LATEST
 pointers written stale. Then the real sweep on the embedded default (slow): four `omni run` started
 together on one store and one sqlite URI, three pipelines that differ in seed and lr registering into
 one model, and an exact duplicate of the first; all finish, one registered version per distinct
@@ -13,11 +14,14 @@ The same sweep on the scaled-out stack is in tests/test_scaled_stack.py (its ser
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -158,59 +162,50 @@ def test_an_alias_named_a_version_that_a_racer_then_dropped_settles_on_the_next(
     assert rounds[:2] == [v2, v1] and str(client.get_model_version_by_alias("m", CANDIDATE).version) == v1
 
 
-def test_an_alias_created_by_a_racer_between_mlflows_read_and_insert_settles(client: Any) -> None:
-    """The sweep's race on CI: `candidate` unset, two register stages set it at once; MLflow's set
-    reads the alias then inserts it, so the slower insert fails on the unique key (sqlite's
-    IntegrityError, Postgres's alike). Forced: the racer's set commits right before this run's INSERT."""
-    import threading
-
+@contextlib.contextmanager
+def racer_insert_first(client: Any, table: str, racer: Callable[[], Any]) -> Iterator[list[bool]]:
+    """Runs `racer` (on its own thread: its own connection), to its commit, right before the first
+    INSERT into `table` of the registry database: MLflow's set of an alias or tag reads it and then
+    inserts it, so when both write a new one at once the slower insert fails on the unique key
+    (sqlite's IntegrityError, Postgres's alike). Yields a list that holds True once it raced."""
     from sqlalchemy import event
 
-    ensure_registered_model(client, "m", "p")
-    v1, v2 = version(client, "m", 0.1), version(client, "m", 0.2)
     engine = client._get_registry_client().store.engine
     raced: list[bool] = []
 
-    def racer_first(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if statement.lstrip().upper().startswith("INSERT INTO REGISTERED_MODEL_ALIASES") and not raced:
-            raced.append(True)  # the racer (its own thread, its own connection) names the older version
-            other = threading.Thread(target=client.set_registered_model_alias, args=("m", CANDIDATE, v1))
+    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith(f"INSERT INTO {table.upper()}") and not raced:
+            raced.append(True)
+            other = threading.Thread(target=racer)
             other.start()
             other.join()
 
-    event.listen(engine, "before_cursor_execute", racer_first)
+    event.listen(engine, "before_cursor_execute", before)
     try:
-        assert settle_candidate(client, "m") == v2
+        yield raced
     finally:
-        event.remove(engine, "before_cursor_execute", racer_first)
+        event.remove(engine, "before_cursor_execute", before)
+
+
+def test_an_alias_created_by_a_racer_between_mlflows_read_and_insert_settles(client: Any) -> None:
+    """The sweep's race on CI: `candidate` unset, two register stages set it at once; the racer's
+    (naming the older version) commits first and this run's insert fails: one more settle round."""
+    ensure_registered_model(client, "m", "p")
+    v1, v2 = version(client, "m", 0.1), version(client, "m", 0.2)
+    with racer_insert_first(client, "registered_model_aliases",
+                            lambda: client.set_registered_model_alias("m", CANDIDATE, v1)) as raced:
+        assert settle_candidate(client, "m") == v2
     assert raced and str(client.get_model_version_by_alias("m", CANDIDATE).version) == v2
 
 
 def test_a_version_tag_inserted_by_a_racer_at_once_is_set(client: Any) -> None:
     """Two identical runs share one version (keep_first_of_key) and both write their promotion decision
-    on it: the racer's tag committed right before this run's INSERT of the same tag (MLflow's set reads
-    then inserts) leaves this run's value, not an IntegrityError."""
-    import threading
-
-    from sqlalchemy import event
-
+    on it: the racer's tag committed first leaves this run's value, not an IntegrityError."""
     ensure_registered_model(client, "m", "p")
     v1 = version(client, "m", 0.1, promotion="")
-    engine = client._get_registry_client().store.engine
-    raced: list[bool] = []
-
-    def racer_first(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if statement.lstrip().upper().startswith("INSERT INTO MODEL_VERSION_TAGS") and not raced:
-            raced.append(True)
-            other = threading.Thread(target=client.set_model_version_tag, args=("m", v1, "omni.reason", "racer"))
-            other.start()
-            other.join()
-
-    event.listen(engine, "before_cursor_execute", racer_first)
-    try:
+    with racer_insert_first(client, "model_version_tags",
+                            lambda: client.set_model_version_tag("m", v1, "omni.reason", "racer")) as raced:
         set_version_tags(client, "m", v1, {"omni.reason": "mine", "omni.promotion": "promoted"})
-    finally:
-        event.remove(engine, "before_cursor_execute", racer_first)
     tags = client.get_model_version("m", v1).tags
     assert raced and tags["omni.reason"] == "mine" and tags["omni.promotion"] == "promoted"
     with pytest.raises(MlflowException, match="not found"):  # not a race: the error stands
