@@ -231,6 +231,22 @@ def test_sync_and_separate_async_train_different_weights(env: Any):
     assert all(m["timing_s/old_log_prob"] == 0.0 for m in clean_run(env, "sync")["metrics"])
 
 
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session `sid`. Ray puts each worker (an actor) in a process group of its
+    own, so killing the driver's group leaves its actors running until they notice their raylet is
+    gone: long enough to train the last step and commit the final checkpoint (seen once in a suite
+    run: the rerun found the run complete instead of resuming at step 2)."""
+    import psutil
+
+    os.killpg(sid, signal.SIGKILL)  # the driver, its raylet and GCS first: no new workers start
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == sid:
+                proc.kill()
+        except (psutil.Error, OSError):
+            pass
+
+
 def test_a_killed_driver_is_resumed_by_the_next_run(env: Any, tmp_path: Path):
     """The driver (`python -m omni_core.training run`, with its local Ray) is SIGKILLed after step 3;
     running the same command again resumes from global_step_2 and ends with the uninterrupted weights."""
@@ -248,7 +264,7 @@ def test_a_killed_driver_is_resumed_by_the_next_run(env: Any, tmp_path: Path):
     for line in child.stdout:  # type: ignore[union-attr]
         seen.append(line)
         if "step 3/4" in line:
-            os.killpg(child.pid, signal.SIGKILL)  # the driver and the Ray it started
+            kill_session(child.pid)  # the driver and the Ray it started, its actors included
             break
     child.wait(timeout=60)
     assert child.returncode == -signal.SIGKILL, "".join(seen)
