@@ -33,6 +33,7 @@ HEALTH_CHECK = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_p
 # `ray start` gives a node 30 s (hard-coded in ray/_private/node.py) to register with the GCS; on an
 # overloaded machine (load ~10 on 2 cores) that is missed now and then, so a start failing so is retried once
 RAY_START_TIMED_OUT = "timed out during startup"
+RAY_PROCESS_DIED = "Some Ray subprocesses exited unexpectedly"  # `ray start --block`, then it kills the rest
 
 
 def node_env(token: str | None) -> dict[str, str]:
@@ -123,6 +124,16 @@ class RayCluster:
             raise RuntimeError(f"port {self.dashboard} does not answer as this cluster's dashboard "
                                f"(taken by another server?): {body[:200]!r}") from e
         return [n for n in summary if n.get("raylet", {}).get("state") == "ALIVE"]
+
+    def log_tails(self, chars: int = 3000) -> str:
+        """Each node's `ray start --block` output, for a failing test's message (stop() removes it): from
+        where it says which of its Ray processes died and how (it then kills the rest), else its end."""
+        def told(text: str) -> str:
+            died = text.find(RAY_PROCESS_DIED)
+            return text[died:died + chars] if died >= 0 else text[-chars:]
+
+        return "\n".join(f"--- {log.name} (exit {proc.poll()}):\n{told(log.read_text(errors='replace'))}"
+                         for proc, log in zip(self.nodes, self.logs, strict=True) if log.exists())
 
     def stop(self) -> None:
         """Every node's process group, then any process of this cluster that left it (found by its

@@ -295,17 +295,21 @@ def test_a_sweep_of_four_runs_at_once_on_the_embedded_default(tmp_path: Path, mo
         with open(log, "w") as out:
             procs.append(subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(path)], cwd=tmp_path,
                                           env=env, stdout=out, stderr=subprocess.STDOUT))
+    deadline, nodes = time.monotonic() + 450, ""  # under pytest's 600 s: a hang fails with the logs below
     try:
         for proc in procs:
-            proc.wait(timeout=900)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
+        if any(proc.poll() != 0 for proc in procs):
+            nodes = cluster.log_tails()
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
         cluster.stop()
         stopped = omni(["server", "stop"], tmp_path, env)
     failed = [log.read_text()[-3000:] for proc, log in zip(procs, logs, strict=True) if proc.returncode != 0]
-    assert not failed, "\n-----\n".join(failed)
+    assert not failed, "\n-----\n".join(failed) + f"\n----- the cluster's nodes:\n{nodes}"
     assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
     client = Tracker(f"sqlite:///{tmp_path / '.omni/mlflow.db'}").client
     check_sweep(client, "sweep-digits", "sweep", len(paths))

@@ -22,7 +22,8 @@ import yaml
 from omni_core.config import DatasetConfig, RayConfig, load_pipeline
 from omni_core.data import ingest
 from omni_core.storage import Store
-from omni_core.training.ray_env import forwarded_env, runtime_env
+from omni_core.training.ray_env import forwarded_env, runtime_env, wait_for_gcs
+from tests.ports import free_port
 from tests.ray_cluster import RayCluster, start_cluster
 
 pytestmark = pytest.mark.slow
@@ -184,3 +185,25 @@ def test_the_cluster_and_its_job_server_refuse_callers_without_the_token(cluster
     env = {**cluster.driver_env(), "RAY_AUTH_TOKEN": "0" * 64, "RAY_NUM_REDIS_GET_RETRIES": "3"}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode != 0 and f"ray.address {cluster.address}: cannot connect" in out.stderr, out.stderr[-3000:]
+
+
+def test_a_driver_whose_cluster_is_gone_fails_in_seconds_not_minutes() -> None:
+    """Ray's `ray.init` retries an unreachable GCS for ~13 minutes, silently (a sweep's four runs sat so
+    when their cluster's head had died); init_ray first checks that something listens there."""
+    import socket
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        wait_for_gcs(f"127.0.0.1:{listening.getsockname()[1]}", timeout=5)  # listening: returns at once
+    wait_for_gcs("auto")  # and ray:// or `auto` addresses are left to Ray
+    address = f"127.0.0.1:{free_port()}"  # nothing listens
+    script = ("import omni_core.training.ray_env as ray_env\nfrom omni_core.config import RayConfig\n"
+              f"ray_env.GCS_WAIT_S = 3\nray_env.init_ray(RayConfig(address='{address}'))\n")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode != 0 and f"ray.address {address}: cannot connect (nothing listens at {address}" in out.stderr, \
+        out.stderr[-2000:]
+    assert time.monotonic() - started < 60
+

@@ -107,6 +107,32 @@ def merge_runtime_env(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, 
     return merged
 
 
+GCS_WAIT_S = 30.0  # a cluster that is starting or restarting its head gets this long to listen
+
+
+def wait_for_gcs(address: str, timeout: float | None = None) -> None:
+    """Raises ConnectionError unless something listens at a HOST:PORT `address` (the head's GCS) within
+    `timeout` (default GCS_WAIT_S). Ray's own `ray.init` retries an unreachable GCS 20 times at about 40 s each, so a driver
+    whose cluster is gone would sit silent for ~13 minutes before failing. (`ray://` and `auto`
+    addresses are left to Ray.)"""
+    import socket
+    import time
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    timeout = GCS_WAIT_S if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, timeout)):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(f"nothing listens at {address} after {timeout:g} s: {exc}") from exc
+            time.sleep(1.0)
+
+
 def init_ray(cfg: RayConfig) -> None:
     """Start a fresh local Ray, join the cluster of the Ray Job this process drives, or join
     `cfg.address` with the actors' runtime env (see the module's docstring)."""
@@ -120,6 +146,7 @@ def init_ray(cfg: RayConfig) -> None:
         elif cfg.address == "local":
             ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, logging_level=logging.WARNING)
         else:
+            wait_for_gcs(cfg.address)
             ray.init(address=cfg.address, runtime_env=runtime_env(cfg), logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise OmniError(f"ray.address {cfg.address}: cannot connect ({exc}); start the cluster (with "
