@@ -40,11 +40,6 @@ def node_env(token: str | None) -> dict[str, str]:
     """The environment of a cluster node: the driver's without its S3, MLflow, Prefect and code settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(DRIVER_ONLY_PREFIXES)}
     env.update(HEALTH_CHECK)
-    # Ray's dashboard serves its Prometheus metrics on a fixed port (44227) unless told otherwise, inside
-    # the range free_port() draws from: a head given 44227 as its dashboard port (drawn while no cluster
-    # held it) lost it to a dashboard's metrics server, its own or another cluster's (CI: the dashboard
-    # port answered with Prometheus text)
-    env["DASHBOARD_METRIC_PORT"] = str(free_port())
     env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token} if token else {"RAY_AUTH_MODE": "disabled"})
     return env
 

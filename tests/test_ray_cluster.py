@@ -206,4 +206,3 @@ def test_a_driver_whose_cluster_is_gone_fails_in_seconds_not_minutes() -> None:
     assert out.returncode != 0 and f"ray.address {address}: cannot connect (nothing listens at {address}" in out.stderr, \
         out.stderr[-2000:]
     assert time.monotonic() - started < 60
-

@@ -45,8 +45,7 @@ def job_server() -> Any:
                              f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
                              f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "RAY_AUTH_MODE": "disabled",  # no token to hand out in a test
-                                 "DASHBOARD_METRIC_PORT": str(free_port())})  # not Ray's 44227 (ray_cluster.node_env)
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})  # no token to hand out in a test
     from ray.job_submission import JobSubmissionClient
 
     address = f"http://127.0.0.1:{dashboard}"

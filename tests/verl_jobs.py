@@ -57,8 +57,7 @@ def ray_jobs():
                              f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
                              f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
                              f"--temp-dir={temp}"], stdout=head_log, stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "RAY_AUTH_MODE": "disabled",
-                                                         "DASHBOARD_METRIC_PORT": str(free_port())})  # ray_cluster.node_env
+                            start_new_session=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     try:
         deadline = time.monotonic() + 240  # a cold start on a loaded 2-core machine
         while True:  # up once it takes a job: the dashboard answers before its job agent is ready

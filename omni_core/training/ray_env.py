@@ -112,9 +112,9 @@ GCS_WAIT_S = 30.0  # a cluster that is starting or restarting its head gets this
 
 def wait_for_gcs(address: str, timeout: float | None = None) -> None:
     """Raises ConnectionError unless something listens at a HOST:PORT `address` (the head's GCS) within
-    `timeout` (default GCS_WAIT_S). Ray's own `ray.init` retries an unreachable GCS 20 times at about 40 s each, so a driver
-    whose cluster is gone would sit silent for ~13 minutes before failing. (`ray://` and `auto`
-    addresses are left to Ray.)"""
+    `timeout` (default GCS_WAIT_S). Ray's own `ray.init` retries an unreachable GCS 20 times at about
+    40 s each, so a driver whose cluster is gone would sit silent for ~13 minutes before failing.
+    (`ray://` and `auto` addresses are left to Ray.)"""
     import socket
     import time
 
