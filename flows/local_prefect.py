@@ -91,6 +91,9 @@ def _read(home: Path) -> LocalServer | None:
         return None
 
 
+EXEC_WAIT_S = 5.0  # how long a just-spawned process may show no command line (see _alive)
+
+
 def _alive(pid: int) -> bool:
     """The process exists and is a Prefect server (not a pid the system gave to something else)."""
     try:
@@ -99,13 +102,24 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return False  # another user's process: not one we started
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    if not Path("/proc/self").exists():
         return True  # no /proc: trust the pid
-    zombie = stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]
-    return not zombie and b"prefect" in cmdline and b"server" in cmdline
+    # Popen returns once the exec has closed its close-on-exec pipe, before the kernel has placed the new
+    # program's argv: a server spawned a moment ago by a concurrent command may still read an empty command
+    # line (most did in a tight loop here), so an empty one is read again for a while. Zombies and kernel
+    # threads, the other processes without one, are never our server.
+    deadline = time.monotonic() + EXEC_WAIT_S
+    while True:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False  # it exited meanwhile
+        if stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]:
+            return False
+        if cmdline != [b""] or time.monotonic() > deadline:
+            return b"prefect" in cmdline and b"server" in cmdline
+        time.sleep(0.02)
 
 
 def _answers(server: LocalServer, timeout: float = 2.0) -> bool:
