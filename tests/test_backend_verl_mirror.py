@@ -75,3 +75,18 @@ def test_a_step_folder_without_the_latest_file_is_repaired_from_the_mirror_or_re
     s3_store.write_bytes(f"{root}/checkpoints/global_step_2/data_0.pt", b"bit rot")
     with pytest.raises(CheckpointError, match="does not match its manifest sha256"):
         prepare_resume(tmp_path / "new-cluster", s3_store, root)
+
+
+def test_a_mirrored_step_whose_latest_file_was_never_written_is_restored(tmp_path, s3_store):
+    """The manifest is the commit point; the store's latest file follows it. A driver killed between the
+    two must not make the next attempt restart from an older step (or from step 0)."""
+    root = "runs/p/k/rl"
+    for step in (1, 2):
+        run_dir = tmp_path / f"step{step}"
+        verl_step(run_dir, step)
+        mirror_new(run_dir, s3_store, root)
+    s3_store.write_text(f"{root}/latest_checkpointed_iteration.txt", "1\n")  # killed before moving it to 2
+    assert prepare_resume(tmp_path / "new-cluster", s3_store, root) == 2
+    s3_store.delete(f"{root}/latest_checkpointed_iteration.txt")
+    assert prepare_resume(tmp_path / "another-cluster", s3_store, root) == 2
+    assert latest_checkpoint(s3_store, root)["global_step"] == 2

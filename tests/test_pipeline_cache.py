@@ -154,16 +154,17 @@ def store_a(prefect_api: Any, reward: Path, tmp_path_factory: pytest.TempPathFac
 
 
 def force_rl_without_training(client: Any, config: dict[str, Any]) -> Run:
-    """`force=rl` with the Ray training replaced by a stand-in that notes whether the committed checkpoint
-    is still found (a real one would skip training then) and reports the same checkpoint (what training
-    again gives: the store B test shows a clean training reproduces the weights). Saves a training."""
+    """`force=rl` with the Ray training replaced by a stand-in that notes the stage it was handed (its
+    resume_mode: with `auto` a real training would find the committed checkpoint and skip or resume) and
+    whether the committed checkpoint is still there, and reports the same checkpoint (what training again
+    gives: the store B test shows a clean training reproduces the weights). Saves a training."""
     import omni_core.training as training
     from omni_core.training import RLStageResult, latest_checkpoint, rl_run_key, stage_prefix
 
     def retrain(**kw: Any) -> RLStageResult:
         root = stage_prefix(kw["pipeline"], rl_run_key(kw["stage"], kw["seed"], kw["dataset_version"]), kw["stage"].name)
         found["committed"] = latest_checkpoint(kw["store"], root)
-        kw["store"].write_text(f"{root}/latest_checkpointed_iteration.txt", f"{previous['global_step']}\n")
+        found["resume_mode"] = kw["stage"].checkpoint.resume_mode
         return RLStageResult(previous["run_key"], previous["global_step"], previous["checkpoint_uri"],
                              previous["weights_sha256"], previous["final_metrics"], reused=False)
 
@@ -265,7 +266,8 @@ def test_force_redoes_a_stage_and_only_the_dependents_whose_inputs_change(store_
     forced = store_a["force_rl"]
     assert forced.ran() == {"rl"} and forced.cached() == {"gsm8k", "digits", "extra"}
     assert forced.stage("rl")["cache"] == "forced" and not forced.stage("rl")["outputs"]["reused"]
-    assert forced.found["committed"] is None  # the training was asked for with no checkpoint committed
+    # trained from step 0 on purpose; the committed checkpoints stay (a registered model may point at them)
+    assert forced.found["resume_mode"] == "disable" and forced.found["committed"] is not None
 
 
 def test_artifacts_of_a_run(store_a: dict, prefect_api: Any) -> None:

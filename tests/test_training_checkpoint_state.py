@@ -12,7 +12,13 @@ import torch
 
 from omni_core.models import load_model
 from omni_core.storage import Store
-from omni_core.training.checkpoint import TrainingState, load_training_state, save_checkpoint
+from omni_core.training.checkpoint import (
+    LATEST,
+    TrainingState,
+    latest_checkpoint,
+    load_training_state,
+    save_checkpoint,
+)
 
 
 @pytest.fixture(scope="module")
@@ -20,12 +26,12 @@ def lm():
     return load_model("tiny://lm", seed=0)
 
 
-def _save(tmp_path: Path, lm, policy: dict[str, torch.Tensor]) -> tuple[Store, dict]:
+def _save(tmp_path: Path, lm, policy: dict[str, torch.Tensor], step: int = 1) -> tuple[Store, dict]:
     model, tokenizer = lm
     store = Store(str(tmp_path))
     state = TrainingState(policy=policy, optimizer={"state": {}, "param_groups": []},
-                          rng={"trainer": torch.get_rng_state()}, info={"global_step": 1})
-    return store, save_checkpoint(store, "runs/p/k/rl", 1, model, tokenizer, {}, state=state)
+                          rng={"trainer": torch.get_rng_state()}, info={"global_step": step})
+    return store, save_checkpoint(store, "runs/p/k/rl", step, model, tokenizer, {}, state=state)
 
 
 def _paths(manifest: dict) -> set[str]:
@@ -69,3 +75,20 @@ def test_a_corrupt_weights_file_fails_the_policy_load(tmp_path: Path, lm) -> Non
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="does not match its manifest sha256"):
         load_training_state(store, manifest)
+
+
+def test_a_checkpoint_whose_writer_died_before_moving_the_latest_pointer_is_still_the_latest(tmp_path: Path, lm) -> None:
+    """The manifest is the commit; the latest pointer is written after it. A driver killed between the
+    two (seen on the scaled-out stack: the worker's host killed right after step 1's manifest) left the
+    pointer behind or absent, and the re-run started over from step 0 instead of resuming."""
+    policy = {name: p.detach().clone() for name, p in lm[0].named_parameters()}
+    store, _ = _save(tmp_path, lm, policy, step=1)
+    _, second = _save(tmp_path, lm, policy, step=2)
+    root = "runs/p/k/rl"
+    store.write_text(f"{root}/{LATEST}", "1\n")  # step 2's writer died before it moved the pointer
+    assert latest_checkpoint(store, root) == second
+    store.delete(f"{root}/{LATEST}")  # ... or before the first pointer was written at all
+    assert latest_checkpoint(store, root) == second
+    store.write_bytes(f"{root}/checkpoints/global_step_3/model.safetensors", b"half")  # no manifest: not committed
+    assert latest_checkpoint(store, root)["global_step"] == 2
+    assert latest_checkpoint(store, "runs/p/k/other") is None

@@ -277,13 +277,18 @@ def _save_sd3(model: Any, out: Path) -> Path:
     return out / "transformer"
 
 
+def newest_committed_step(store: Store, stage_root: str) -> int | None:
+    """The newest step whose manifest is written. The manifest is the commit and the latest pointer
+    follows it, so a writer that died between the two left the pointer behind (or absent): the
+    listing, not the pointer, says what is committed."""
+    committed = [step for step, ok in checkpoint_steps(store, stage_root).items() if ok]
+    return max(committed) if committed else None
+
+
 def latest_checkpoint(store: Store, stage_root: str) -> dict[str, Any] | None:
     """The manifest of the newest committed checkpoint, or None."""
-    if not store.exists(f"{stage_root}/{LATEST}"):
-        return None
-    step = int(store.read_text(f"{stage_root}/{LATEST}").strip())
-    key = f"{checkpoint_prefix(stage_root, step)}/{MANIFEST}"
-    return store.read_json(key) if store.exists(key) else None
+    step = newest_committed_step(store, stage_root)
+    return None if step is None else store.read_json(f"{checkpoint_prefix(stage_root, step)}/{MANIFEST}")
 
 
 def weights_digest(manifest: dict[str, Any]) -> str:

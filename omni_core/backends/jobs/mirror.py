@@ -33,6 +33,7 @@ from omni_core.training.checkpoint import (
     MANIFEST,
     CheckpointError,
     checkpoint_prefix,
+    newest_committed_step,
     prune_checkpoints,
 )
 
@@ -61,14 +62,6 @@ def committed_steps(run_dir: str | Path) -> list[int]:
     """The complete steps: those at or below the step the latest file names."""
     latest = local_latest(run_dir)
     return [] if latest is None else [s for s in local_steps(run_dir) if s <= latest]
-
-
-def mirrored_latest(store: Store, stage_root: str) -> int | None:
-    """The newest step mirrored and committed (manifest present) in the store, or None."""
-    if not store.exists(f"{stage_root}/{LATEST}"):
-        return None
-    step = int(store.read_text(f"{stage_root}/{LATEST}").strip())
-    return step if store.exists(f"{checkpoint_prefix(stage_root, step)}/{MANIFEST}") else None
 
 
 def mirror_new(run_dir: str | Path, store: Store, stage_root: str, *, keep: int | None = None,
@@ -111,7 +104,7 @@ def prepare_resume(run_dir: str | Path, store: Store, stage_root: str) -> int | 
     latest = local_latest(run_dir)
     if latest is not None and (run_dir / f"global_step_{latest}").is_dir():
         return latest
-    mirrored = mirrored_latest(store, stage_root)
+    mirrored = newest_committed_step(store, stage_root)  # mirrored and committed (manifest present)
     if mirrored is not None:
         restore(store, stage_root, mirrored, run_dir)
         return mirrored

@@ -165,16 +165,16 @@ def run_rl(ctx: Any) -> dict[str, Any]:
     """Train the stage on its backend (omni_core.backends: native, verl, verl_omni, or a plugin's), then
     the same outputs, tags, logged model and reward curve whichever backend trained it."""
     from omni_core.training import rl_run_key
-    from omni_core.training.checkpoint import LATEST, stage_prefix
 
     stage = resolved_stage(ctx)
     key, split, dv = input_dataset(ctx)
     log_training_start(ctx.tracker, ctx.mlflow_run_id, stage, ctx.config.seed, dv, split)
     run_key = rl_run_key(stage, ctx.config.seed, dv.version)
-    if ctx.force:  # train again on purpose: without the pointer the committed checkpoint is not found
-        root = stage_prefix(ctx.config.name, run_key, stage.name)
-        ctx.progress(f"stage {stage.name}: --force: training again (uncommitting {root}/{LATEST})")
-        ctx.store.delete(f"{root}/{LATEST}")
+    if ctx.force and stage.checkpoint.resume_mode == "auto":
+        # train again on purpose: from step 0, not from the committed checkpoints (which stay: a registered
+        # model may point at them; the new ones, of the same run key, replace them step by step)
+        ctx.progress(f"stage {stage.name}: --force: training again from step 0 (checkpoint.resume_mode: disable)")
+        stage = stage.model_copy(update={"checkpoint": stage.checkpoint.model_copy(update={"resume_mode": "disable"})})
     total = stage.trainer.total_steps
     ctx.on_step(0, total)
     result = backend_of(stage).run(TrainingRun(ctx, stage, key, split, dv, run_key))
