@@ -161,8 +161,8 @@ def settle_latest(store: Store, stage_root: str) -> None:
     """The latest pointer on the newest committed step (`settle_pointer`): a concurrent writer of the
     same run key that commits an older step after this one's newer never moves it back."""
     def newest() -> str | None:
-        committed = [s for s, ok in checkpoint_steps(store, stage_root).items() if ok]
-        return str(max(committed)) if committed else None
+        step = newest_committed_step(store, stage_root)
+        return None if step is None else str(step)
 
     settle_pointer(store, f"{stage_root}/{LATEST}", newest)
 
