@@ -67,8 +67,9 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_model_env: Path, shared_r
 
 
 def train(env: Any, spec: dict[str, Any], *, kill: str | None = None, store: Store | None = None,
-          ) -> tuple[dict[str, Any], StageRunner, Store]:
-    """One stage run into a fresh store; `kill`: the actor SIGKILLed once, right after step 3."""
+          said: list[str] | None = None) -> tuple[dict[str, Any], StageRunner, Store]:
+    """One stage run into a fresh store (or `store`); `kill`: the actor SIGKILLed once, right after step 3;
+    `said`: gets the progress lines."""
     stage = RLStage.model_validate(spec)
     store = store or Store(str(env["tmp"].mktemp("run")))
     killed: list[int] = []
@@ -81,7 +82,7 @@ def train(env: Any, spec: dict[str, Any], *, kill: str | None = None, store: Sto
 
     run = StageRun("runner-test", stage, 0, store, env["rows"], env["version"],
                    rl_run_key(stage, 0, env["version"]), config_digest(stage, 0, env["version"]),
-                   progress=lambda _: None, on_step=on_step)
+                   progress=(said.append if said is not None else lambda _: None), on_step=on_step)
     runner = StageRunner(run)
     manifest = runner.run()
     assert bool(killed) == bool(kill)
@@ -215,12 +216,23 @@ def test_a_checkpoint_of_another_config_is_refused_unless_forced(env: Any):
 # ---- resume determinism ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("mode", "victim"), [("sync", "trainer"), ("separate_async", "rollout_0")])
-def test_a_killed_actor_resumes_to_the_same_weights(env: Any, mode: str, victim: str):
+@pytest.mark.parametrize(("mode", "victim", "forced"),
+                         [("sync", "trainer", True), ("separate_async", "rollout_0", False)])
+def test_a_killed_actor_resumes_to_the_same_weights(env: Any, mode: str, victim: str, forced: bool):
+    """`forced`: the run trains again from step 0 (`resume_mode: disable`, what `omni run --force` hands
+    the stage) in the clean run's store, whose run-key folder holds that run's steps 2 and 4: the
+    recovery after step 3 resumes from the step 2 it committed itself, not from the earlier run's newer
+    step 4 (which it did: a forced run whose actor died came back as the earlier run)."""
     clean = clean_run(env, mode)
     spec = stage_spec(mode, **(ASYNC if mode == "separate_async" else {}))
-    manifest, runner, _ = train(env, spec, kill=victim)
+    store, said = None, []
+    if forced:
+        spec["checkpoint"] = {**spec["checkpoint"], "resume_mode": "disable"}
+        store = clean["store"]
+    manifest, runner, _ = train(env, spec, kill=victim, store=store, said=said)
     assert runner.recoveries == 1
+    resumed = [line for line in said if "resuming at step" in line]
+    assert len(resumed) == 1 and "resuming at step 2/4" in resumed[0], said
     assert policy_sha(manifest) == policy_sha(clean["manifest"])
     assert manifest["weights"] == "model.safetensors"
 

@@ -21,7 +21,10 @@ are generated with, so a resumed run generates exactly what the uninterrupted ru
 Faults: a lost actor (killed, out of memory, its node gone) or a failed checkpoint write (storage
 unreachable) stops the attempt; the driver kills the remaining actors, waits `retry_backoff_s`
 (doubling), starts fresh actors and resumes from the latest committed checkpoint, at most
-`max_failures` times; each recovery is tagged on the stage's MLflow run. A half-written checkpoint
+`max_failures` times; each recovery is tagged on the stage's MLflow run. A stage that did not start
+from the latest checkpoint (`checkpoint.resume_mode` disable or resume_path, e.g. `omni run --force`)
+recovers from the newest checkpoint it committed itself, else from where it started: the run key's
+folder still holds an earlier run's checkpoints, newer than its own early steps. A half-written checkpoint
 has no manifest and is never used (and is deleted by the next successful save). A dead driver is the
 caller's to restart (the Prefect task retries): the new driver resumes the same way.
 
@@ -118,6 +121,9 @@ class StageRunner:
         self.root = stage_prefix(run.pipeline, run.run_key, run.stage.name)
         self.recoveries = 0
         self.attempt: _Attempt | None = None
+        # what a recovery resumes from when the stage does not resume from the latest checkpoint:
+        # where the first attempt started (None: step 0), then each checkpoint this run commits
+        self._own_checkpoint: dict[str, Any] | None = None
 
     # ---- public --------------------------------------------------------------------------------
 
@@ -224,6 +230,8 @@ class StageRunner:
 
     def _resume_manifest(self, first: bool) -> dict[str, Any] | None:
         cfg, store = self.stage.checkpoint, self.run_.store
+        if not first and cfg.resume_mode != "auto":
+            return self._own_checkpoint
         if first and cfg.resume_mode == "disable":
             return None
         manifest = (read_manifest(store, cfg.resume_from_path) if first and cfg.resume_mode == "resume_path"
@@ -236,6 +244,8 @@ class StageRunner:
                 f"this stage's is {self.run_.config_digest} (another model, data, algorithm or seed); "
                 "resume from a checkpoint of this config, set checkpoint.resume_mode: disable to start over, "
                 "or checkpoint.force_resume: true to load it anyway")
+        if first:
+            self._own_checkpoint = manifest
         return manifest
 
     def _train(self, first: bool) -> dict[str, Any]:
@@ -351,6 +361,7 @@ class StageRunner:
             run.store.root, self.root, metadata, info, rngs, stage.checkpoint.max_to_keep, versions,
             *[published[v] for v in versions]))
         run.progress(f"stage {stage.name}: checkpoint global_step_{step} committed ({manifest['uri']})")
+        self._own_checkpoint = manifest
         return manifest
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
