@@ -232,9 +232,9 @@ class StageRunner:
         cfg, store = self.stage.checkpoint, self.run_.store
         if not first and cfg.resume_mode != "auto":
             return self._own_checkpoint
-        if first and cfg.resume_mode == "disable":
+        if cfg.resume_mode == "disable":
             return None
-        manifest = (read_manifest(store, cfg.resume_from_path) if first and cfg.resume_mode == "resume_path"
+        manifest = (read_manifest(store, cfg.resume_from_path) if cfg.resume_mode == "resume_path"
                     else latest_checkpoint(store, self.root))
         if manifest is None:
             return None
@@ -244,8 +244,7 @@ class StageRunner:
                 f"this stage's is {self.run_.config_digest} (another model, data, algorithm or seed); "
                 "resume from a checkpoint of this config, set checkpoint.resume_mode: disable to start over, "
                 "or checkpoint.force_resume: true to load it anyway")
-        if first:
-            self._own_checkpoint = manifest
+        self._own_checkpoint = manifest
         return manifest
 
     def _train(self, first: bool) -> dict[str, Any]:
