@@ -35,6 +35,7 @@ from omni_core.training.checkpoint import (
     checkpoint_prefix,
     newest_committed_step,
     prune_checkpoints,
+    settle_latest,
 )
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -79,7 +80,7 @@ def mirror_new(run_dir: str | Path, store: Store, stage_root: str, *, keep: int 
         manifest = {"global_step": step, "uri": store.uri(prefix), "source": "verl", "files": entries,
                     **(metadata or {})}
         store.write_json(f"{prefix}/{MANIFEST}", manifest)  # the commit point
-        store.write_text(f"{stage_root}/{LATEST}", f"{step}\n")
+        settle_latest(store, stage_root)  # the pointer, as the native trainer's: never back to an older step
         done.append(step)
     if done:
         prune_checkpoints(store, stage_root, keep=keep, newest=done[-1])
