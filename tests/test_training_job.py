@@ -5,12 +5,6 @@ again finds the job instead of starting a second; after a stopped attempt the ne
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from ports import free_port
+from job_head import start_job_head
 
 from omni_core.config import DatasetConfig
 from omni_core.config.loader import load_pipeline
@@ -32,55 +26,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def job_server() -> Any:
-    """`ray start --head --block` with its dashboard (the job server) on 127.0.0.1, in its own temp dir
-    and process group, so stopping it touches no other Ray on the machine."""
-    temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths live under it
-    port, dashboard = free_port(), free_port()
-    ray_bin = Path(sys.executable).with_name("ray")
-    head = subprocess.Popen([str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
-                             "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-                             f"--dashboard-port={dashboard}", "--include-dashboard=true", f"--temp-dir={temp}",
-                             # the agents' default ports (52365, ...) are taken when another head runs
-                             # (pytest-xdist workers, a developer's own Ray)
-                             f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-                             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})  # no token to hand out in a test
-    from ray.job_submission import JobSubmissionClient
-
-    address = f"http://127.0.0.1:{dashboard}"
-    deadline = time.monotonic() + 240  # a cold start on a loaded 2-core machine
-    while True:  # up once it takes a job: the dashboard answers before its job agent is ready
-        try:
-            client = JobSubmissionClient(address)
-            client.submit_job(entrypoint="true", submission_id="warm-up")
-            break
-        except Exception:
-            if time.monotonic() > deadline or head.poll() is not None:
-                stop(head, temp)
-                pytest.fail(f"the Ray job server at {address} did not start")
-            time.sleep(1)
-    while str(client.get_job_status("warm-up")).rsplit(".", 1)[-1] in ("PENDING", "RUNNING"):
-        time.sleep(0.5)
-    client.delete_job("warm-up")
-    yield address, client
-    stop(head, temp)
-
-
-def stop(head: subprocess.Popen, temp: str) -> None:
-    """The head's process group, then any Ray process of this head that left it (workers, the job's
-    driver: found by the head's temp dir on their command line)."""
-    import psutil
-
-    os.killpg(head.pid, signal.SIGTERM)
-    try:
-        head.wait(timeout=3)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
-    for proc in psutil.process_iter(["cmdline"]):
-        if any(temp in part for part in proc.info["cmdline"] or ()):
-            proc.kill()
-    shutil.rmtree(temp, ignore_errors=True)
+    """A Ray head with its job server (tests/job_head.py); yields its address and a client."""
+    head = start_job_head(num_cpus=2, prefix="rj")
+    yield head.address, head.client
+    head.stop()
 
 
 def test_a_resubmitted_training_is_found_not_run_twice(job_server: Any, tmp_path: Path, capsys: Any,

@@ -9,19 +9,13 @@ the job's start (its entry point needs GPUs)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from job_head import start_job_head
 from mlflow import MlflowClient
-from ports import free_port
 from verl_env import verl_python
 
 from omni_core.backends.jobs.job import (
@@ -42,46 +36,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def ray_jobs():
-    """A JobSubmissionClient on a `ray start --head --block` of our own (own temp dir, process group), with the
-    8 logical CPUs verl's main_ppo on CPU places its workers, TransferQueue and agent loop on."""
-    import psutil
-    from ray.job_submission import JobSubmissionClient
-
-    temp = tempfile.mkdtemp(prefix="rv", dir="/tmp")  # short: Ray's socket paths live under it
-    dashboard = free_port()
-    head_log = open(Path(temp) / "head.log", "wb")  # noqa: SIM115 - closed with the head below
-    head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-                             f"--port={free_port()}", "--num-cpus=8", "--node-ip-address=127.0.0.1",
-                             "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--include-dashboard=true",
-                             # the agents' default ports (52365, ...) are taken when another head runs
-                             f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-                             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
-                             f"--temp-dir={temp}"], stdout=head_log, stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
-    try:
-        deadline = time.monotonic() + 240  # a cold start on a loaded 2-core machine
-        while True:  # up once it takes a job: the dashboard answers before its job agent is ready
-            try:
-                client = JobSubmissionClient(f"http://127.0.0.1:{dashboard}")
-                client.submit_job(entrypoint="true", submission_id="warm-up")
-                break
-            except Exception:
-                if time.monotonic() > deadline or head.poll() is not None:
-                    pytest.fail(f"the Ray job server did not start (head exit {head.poll()}): "
-                                f"{(Path(temp) / 'head.log').read_text()[-2000:]}")
-                time.sleep(1)
-        yield client
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        for proc in psutil.process_iter(["cmdline"]):
-            if any(temp in part for part in proc.info["cmdline"] or ()):
-                proc.kill()
-        head_log.close()
-        shutil.rmtree(temp, ignore_errors=True)
+    """A JobSubmissionClient on a Ray head of our own (tests/job_head.py), with the 8 logical CPUs verl's
+    main_ppo on CPU places its workers, TransferQueue and agent loop on."""
+    head = start_job_head(num_cpus=8, prefix="rv")
+    yield head.client
+    head.stop()
 
 
 def test_job_submission_finds_a_finished_job_and_stops_one_on_ctrl_c(ray_jobs, tmp_path):
