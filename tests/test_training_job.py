@@ -27,8 +27,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def job_server() -> Any:
     """A Ray head with its job server (tests/job_head.py); yields its address and a client."""
-    head = start_job_head(num_cpus=2, prefix="rj")
-    yield head.address, head.client
+    head, client = start_job_head(num_cpus=2)
+    yield head.job_server, client
     head.stop()
 
 

@@ -38,8 +38,8 @@ pytestmark = pytest.mark.slow
 def ray_jobs():
     """A JobSubmissionClient on a Ray head of our own (tests/job_head.py), with the 8 logical CPUs verl's
     main_ppo on CPU places its workers, TransferQueue and agent loop on."""
-    head = start_job_head(num_cpus=8, prefix="rv")
-    yield head.client
+    head, client = start_job_head(num_cpus=8)
+    yield client
     head.stop()
 
 
