@@ -30,7 +30,7 @@ def _took_a_job(cluster: RayCluster, wait: float) -> Any | None:
         except Exception:
             time.sleep(1)
             continue
-        while str(client.get_job_status("warm-up")).rsplit(".", 1)[-1] in ("PENDING", "RUNNING"):
+        while client.get_job_status("warm-up").value in ("PENDING", "RUNNING"):
             time.sleep(0.5)
         client.delete_job("warm-up")
         return client
