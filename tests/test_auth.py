@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory, mlflow_db: Any) -> Any:
+def servers(tmp_path_factory: pytest.TempPathFactory, mlflow_db: Any, prefect_db: Any) -> Any:
     folder = tmp_path_factory.mktemp("auth")
     started: list[Any] = []
     try:
@@ -37,7 +37,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, mlflow_db: Any) -> Any:
         # MLflow; MLflow's artifact bucket is made once moto answers, before any request to MLflow
         with ThreadPoolExecutor(3) as pool:
             futures = [pool.submit(iam_moto, folder / "s3"),
-                       pool.submit(prefect_server, folder / "prefect", f"sqlite+aiosqlite:///{folder / 'prefect.db'}",
+                       pool.submit(prefect_server, folder / "prefect", f"sqlite+aiosqlite:///{prefect_db(folder / 'prefect.db')}",
                                    PREFECT_AUTH)]
             try:
                 s3 = futures[0].result()

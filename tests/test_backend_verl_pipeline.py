@@ -321,7 +321,7 @@ def _kill_after_mirrored(store: Store, pipeline: str, shared_dir: Path, tracking
 
 
 @pytest.fixture(scope="module")
-def faults(uninterrupted, ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  # noqa: F811
+def faults(uninterrupted, ray_jobs, mlflow_server, verl_s3, tmp_path_factory, prefect_db):  # noqa: F811
     """`omni run` of ingest -> rl -> gspo: rl's trainer killed once (the retry resumes), then the flow-run
     process SIGTERMed once gspo's first checkpoint is mirrored (the cancel)."""
     store_uri = f"s3://{verl_s3}/store"
@@ -343,6 +343,7 @@ def faults(uninterrupted, ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  
     killer = threading.Thread(target=_kill_after_mirrored, daemon=True,
                               args=(store, "verl-fault", shared, mlflow_server.url, 1, seen, stop))
     killer.start()
+    prefect_db(workdir / "run" / "prefect" / "prefect.db")  # Prefect's temporary server: no migrations to run
     proc, out = _omni_run(workdir / "run", config)
     try:
         deadline = time.monotonic() + 1200

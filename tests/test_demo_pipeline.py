@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -49,8 +50,9 @@ def run_demo(workdir: Path, *overrides: str) -> subprocess.CompletedProcess[str]
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def demo(tmp_path_factory: pytest.TempPathFactory, prefect_db: Callable[[Path], Path]) -> dict:
     workdir = tmp_path_factory.mktemp("demo")
+    prefect_db(workdir / "prefect" / "prefect.db")  # Prefect's temporary server: no migrations to run
     first = run_demo(workdir)
     second = run_demo(workdir)
     return {"workdir": workdir, "store": workdir / "store", "first": first.stdout, "second": second.stdout,

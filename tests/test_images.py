@@ -276,10 +276,12 @@ def test_cli_tag_and_ls(built: dict) -> None:
     assert [r.tag for r in list_records(store, "testimg")] == [record.tag]
 
 
-def test_cli_build_through_the_flow_is_a_no_op_for_an_existing_tag(built: dict, tmp_path: Path) -> None:
+def test_cli_build_through_the_flow_is_a_no_op_for_an_existing_tag(built: dict, tmp_path: Path,
+                                                                   prefect_db: Callable[[Path], Path]) -> None:
     """`omni image build SPEC --push` runs the Prefect flow; the tag is in the registry, so nothing is built."""
     spec_file = built["spec"].context.parent / "testimg.yaml"
     spec_file.write_text("target: testimg\ndockerfile: ctx/Dockerfile\ncontext: ctx\n")
+    prefect_db(tmp_path / "prefect" / "prefect.db")  # Prefect's temporary server: no migrations to run
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "OMNI_IMAGE_BUILDER": "no-such-builder"}  # proves no builder is even chosen
     env.pop("PREFECT_API_URL", None)
