@@ -130,6 +130,13 @@ class RayCluster:
         return "\n".join(f"--- {log.name} (exit {proc.poll()}):\n{told(log.read_text(errors='replace'))}"
                          for proc, log in zip(self.nodes, self.logs, strict=True) if log.exists())
 
+    def lost_nodes(self, lines: int = 20) -> str:
+        """What the GCS logged about nodes it declared dead (a raylet that missed its health checks, or
+        exited), for a test that found a node gone."""
+        said = [line for log in sorted(Path(self.temp).glob("session_*/logs/gcs_server.out"))
+                for line in log.read_text(errors="replace").splitlines() if "Node is dead" in line or "marked dead" in line]
+        return "\n".join(dict.fromkeys(said[-lines:])) or "(the GCS logged no dead node)"
+
     def stop(self) -> None:
         """Every node's process group, then any process of this cluster that left it (found by its
         temp dir on their command line); the temp dir. SIGKILL: the cluster is thrown away with its
