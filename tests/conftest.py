@@ -229,8 +229,7 @@ def mlflow_db(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], str]
     ~50 schema migrations cost each fresh database ~1.2 CPU s and a few seconds on a busy machine); a
     copy is what MLflow itself would have created there. The first use by MLflow of a fresh database
     stays tested where it matters (tests/test_cli_ingest.py: a new user's first command)."""
-    base = tmp_path_factory.getbasetemp()
-    template = (base.parent if _xdist_worker() else base) / "mlflow-template.db"
+    template = _run_folder(tmp_path_factory) / "mlflow-template.db"
     if not template.exists():  # built aside and renamed into place: the workers may race here
         from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
@@ -258,8 +257,7 @@ def prefect_db(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], Pat
     tested where it matters (tests/test_local_prefect.py: omni's local server, a new user's first run)."""
     import fcntl
 
-    base = tmp_path_factory.getbasetemp()
-    template = (base.parent if _xdist_worker() else base) / "prefect-template.db"
+    template = _run_folder(tmp_path_factory) / "prefect-template.db"
     # one worker builds it, the other waits (a build is ~7 CPU s, worth not doing twice)
     with open(template.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -290,15 +288,13 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     built once per run. Under xdist it is the run's folder above the workers' own, shared by all of them:
     `tiny_model_dir` and the fixture generator build in a temporary folder and rename it into place, so
     a concurrent first use builds twice but never reads a half-written entry."""
+    return _run_folder(tmp_path_factory) / "omni-model-cache"
+
+
+def _run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run's temporary folder: under xdist the one above the workers' own, shared by all of them."""
     base = tmp_path_factory.getbasetemp()
-    root = base.parent if _xdist_worker() else base
-    return root / "omni-model-cache"
-
-
-def _xdist_worker() -> str | None:
-    import os
-
-    return os.environ.get("PYTEST_XDIST_WORKER")
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="module")
