@@ -243,6 +243,39 @@ def test_sync_and_separate_async_train_different_weights(env: Any):
     assert all(m["timing_s/old_log_prob"] == 0.0 for m in clean_run(env, "sync")["metrics"])
 
 
+def test_sync_rolls_out_inside_the_trainer_with_the_rollout_workers_numbers(env: Any):
+    """Sync mode with one rollout worker: the trainer actor holds the rollout worker (one actor, no weight
+    push between processes); given a rollout resource the worker is an actor of its own. Same weights."""
+    from omni_core.training.runner import rollout_in_trainer
+
+    colocated = clean_run(env, "sync")
+    spec = {**stage_spec("sync"), "resources": {"rollout": {"CPU": 1}}}
+    assert rollout_in_trainer(RLStage.model_validate(stage_spec("sync")))
+    assert not rollout_in_trainer(RLStage.model_validate(spec))
+    pids: list[dict[str, int]] = []
+    runner: StageRunner | None = None
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        if step == 1:
+            pids.append(runner.actor_pids())
+
+    stage = RLStage.model_validate(spec)
+    run = StageRun("runner-test", stage, 0, Store(str(env["tmp"].mktemp("run"))), env["rows"], env["version"],
+                   rl_run_key(stage, 0, env["version"]), config_digest(stage, 0, env["version"]),
+                   progress=lambda _: None, on_step=on_step)
+    runner = StageRunner(run)
+    manifest = runner.run()
+    assert set(pids[0]) == {"trainer", "rollout_0"}
+    sync = StageRunner(StageRun("runner-test", RLStage.model_validate(stage_spec("sync")), 0, run.store, [], "v",
+                                "key", "digest"))
+    assert sync._roles(sync._workers()) == ["trainer"]  # the actors an attempt of the colocated run starts
+    assert policy_sha(manifest) == policy_sha(colocated["manifest"])
+    assert [m["critic/score/mean"] for m in run.metrics] == [m["critic/score/mean"] for m in colocated["metrics"]]
+    for key in ("timing_s/gen", "timing_s/reward", "timing_s/update_weights", "training/policy_version"):
+        assert all(key in m for m in colocated["metrics"]), key
+    assert [m["training/policy_version"] for m in colocated["metrics"]] == [0.0, 1.0, 2.0, 3.0]
+
+
 def kill_session(sid: int) -> None:
     """SIGKILL every process of session `sid`. Ray puts each worker (an actor) in a process group of its
     own, so killing the driver's group leaves its actors running until they notice their raylet is

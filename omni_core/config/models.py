@@ -247,7 +247,8 @@ class CheckpointConfig(Strict):
 
 class ExecutionConfig(Strict):
     """How the stage's Ray actors run (docs/reference.md section 5). `sync`: generate, reward, old log-probs,
-    update, push weights, in sequence. `separate_async`: rollout workers generate the next batches while
+    update, push weights, in sequence (one rollout worker and no rollout or reward resources: inside the
+    trainer actor, scoring its own batch). `separate_async`: rollout workers generate the next batches while
     the trainer updates; batch k is generated with policy version max(0, k - max_staleness) rounded to a
     version the trainer pushed (every parameter_sync_step steps): up for `wait`, down for `drop`, where a
     batch staler than max_staleness is dropped. The schedule depends on k only, never on timing."""
@@ -257,7 +258,8 @@ class ExecutionConfig(Strict):
     max_staleness: int = Field(1, ge=0, description="separate_async: how many policy versions a batch may lag.")
     staleness_policy: Literal["wait", "drop"] = "wait"
     async_reward: bool = Field(True, description="Score on reward workers while the next rollout runs; "
-                                                 "false: the rollout worker scores its own batch.")
+                                                 "false: the rollout worker scores its own batch (as one inside the "
+                                                 "trainer does in sync mode).")
     rollout_workers: int = Field(1, ge=1)
     reward_workers: int = Field(1, ge=1)
     max_failures: int = Field(3, ge=0, description="Restarts from the latest checkpoint after a lost actor or a "

@@ -5,7 +5,10 @@ Modes (`execution.mode`, docs/reference.md section 5):
 
 - `sync`: for each step k: the rollout workers generate batch k with the current policy (version k),
   the reward workers score it, the trainer computes old log-probs and updates, the new weights are
-  pushed. Nothing overlaps.
+  pushed. Nothing overlaps, so with one rollout worker and no rollout or reward resources of its own
+  (`rollout_in_trainer`) the rollout worker is an object inside the trainer actor, as verl's hybrid
+  engine colocates them: the same code and numbers (its own policy copy, the same pushes and seeds;
+  the same weights with the default one CPU each), one process and one weight transfer a step fewer.
 - `separate_async`: rollout workers generate ahead while the trainer updates. Batch k is generated with
   policy version `rollout_version(k)` (a function of k and the config only), so a run's numbers never
   depend on timing: the driver starts batch k as soon as that version has been pushed. With
@@ -49,7 +52,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from omni_core.config.models import ExecutionConfig, RLStage
 from omni_core.errors import OmniError, StorageError
 from omni_core.storage import Store
-from omni_core.training.actors import RewardWorker, RolloutWorker, TrainerWorker
+from omni_core.training.actors import RewardWorker, RolloutActor, TrainerWorker
 from omni_core.training.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -69,6 +72,14 @@ def rollout_version(step: int, execution: ExecutionConfig) -> int:
         return step
     lag, every = max(0, step - execution.max_staleness), execution.parameter_sync_step
     return -(-lag // every) * every if execution.staleness_policy == "wait" else lag // every * every
+
+
+def rollout_in_trainer(stage: RLStage) -> bool:
+    """Sync mode, one rollout worker, no rollout or reward resources: the trainer actor generates and
+    scores (module docstring); rollout workers would only wait their turn."""
+    ex = stage.execution
+    return (stage.record.separate_async and ex.mode == "sync" and ex.rollout_workers == 1
+            and not {"rollout", "reward"} & set(stage.resources))
 
 
 def is_dropped(step: int, execution: ExecutionConfig) -> bool:
@@ -178,20 +189,25 @@ class StageRunner:
     def _start(self) -> _Attempt:
         stage, run = self.stage, self.run_
         spec = stage.model_dump(mode="json")
-        split = stage.record.separate_async  # rollout on rollout workers; else steps inside the trainer
+        split = self._workers()
         ex = stage.execution
         self._check_capacity(split)
         roles = self._roles(split)
         group, placed = _gang(roles, stage.role_resources)
         rows = ray.put(run.rows)
-        trainer = TrainerWorker.options(**placed[0]).remote(spec, run.seed, rows)
-        rollout = [RolloutWorker.options(**placed[1 + i]).remote(spec, run.seed, rows, i, ex.rollout_workers)
+        trainer = TrainerWorker.options(**placed[0]).remote(spec, run.seed, rows, rollout_in_trainer(stage))
+        rollout = [RolloutActor.options(**placed[1 + i]).remote(spec, run.seed, rows, i, ex.rollout_workers)
                    for i in range(roles.count("rollout"))]
         reward = [RewardWorker.options(**placed[1 + len(rollout) + i]).remote(spec, run.seed, rows)
                   for i in range(roles.count("reward"))]
         self.attempt = _Attempt(trainer, rollout, reward, group)
         ray.get([a.pid.remote() for a in self.attempt.actors()])  # constructed (models loaded)
         return self.attempt
+
+    def _workers(self) -> bool:
+        """Rollout (and reward) actors of their own; else the trainer generates (`rollout_in_trainer`) or
+        runs its whole step (an algorithm without separate rollout)."""
+        return self.stage.record.separate_async and not rollout_in_trainer(self.stage)
 
     def _roles(self, split: bool) -> list[str]:
         """One role per actor of an attempt: the trainer, then its rollout and reward workers."""
@@ -271,7 +287,8 @@ class StageRunner:
                                                          "omni.resumed_from_step": str(start)})
         if start >= total and manifest is not None:
             return {**manifest, "metrics": manifest.get("final_metrics", {})}
-        split = stage.record.separate_async  # rollout on rollout workers; else steps inside the trainer
+        split = self._workers()
+        in_trainer = rollout_in_trainer(stage)
         worker_version = [0] * len(attempt.rollout)
         pending: dict[int, tuple[list[Any], list[Any]]] = {}
         next_batch = start
@@ -301,7 +318,10 @@ class StageRunner:
                 learned = attempt.trainer.learn.remote(step, is_dropped(step, ex), len(parts), *parts, *scores)
                 launch_ready()  # batches whose version is already out start while the trainer trains
                 metrics = dict(ray.get(learned))
-                metrics.update(self._rollout_metrics(step, parts, scores))
+                metrics.update(self._rollout_metrics(step, ray.get(parts), ray.get(scores)))
+            elif in_trainer:
+                learnt, part = ray.get(attempt.trainer.rollout_step.remote(step))
+                metrics = {**learnt, **self._rollout_metrics(step, [part], [part])}
             else:
                 metrics = dict(ray.get(attempt.trainer.step_colocated.remote(step)))
             version = step + 1
@@ -330,11 +350,10 @@ class StageRunner:
         return {**{f"rollout_{i}": a for i, a in enumerate(attempt.rollout)},
                 **{f"reward_{i}": a for i, a in enumerate(attempt.reward)}}
 
-    def _rollout_metrics(self, step: int, parts: list[Any], scores: list[Any]) -> dict[str, float]:
+    def _rollout_metrics(self, step: int, got_parts: list[dict[str, Any]], got_scores: list[dict[str, Any]],
+                         ) -> dict[str, float]:
         ex = self.stage.execution
-        got_parts = ray.get(parts)
-        got_scores = ray.get(scores)
-        samples = sum(len(p["results"]) for p in got_parts)
+        samples = sum(p["samples"] if "samples" in p else len(p["results"]) for p in got_parts)
         staleness = step - got_parts[0]["version"]
         return {
             "timing_s/gen": max(p["gen_s"] for p in got_parts),
