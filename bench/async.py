@@ -1,5 +1,7 @@
 """What separate_async buys on the Ray training-stage runner: the same GRPO work in `sync` and in
 `separate_async` (max_staleness 1), and, with a slow reward, separate_async with async_reward on vs off.
+Also sync with the rollout worker inside the trainer actor (the default without rollout resources)
+against sync with a rollout actor of its own.
 
     python bench/async.py [--quick] [--json] [--steps N] [--repeats N] [--max-new-tokens N] [--ppo-epochs N]
 
@@ -24,7 +26,11 @@ change in the shared machine's load hits every case alike, and the kept steps of
    the overlap buys less than the ideal (or nothing). `parallel_capacity` measures that first: a fixed
    one-thread torch loop on two 1-CPU actors, one after the other vs at once (2.0 = two free cores);
    the speed-up separate_async can reach is about min(ideal_sync_over_async, parallel_capacity).
-2. Reward: separate_async (`--reward-batch-size` 4 prompts x `--reward-n` 2 responses) with a slow reward, `bench/slow_rewards.py:compute_score` (renders each
+2. Colocated: `sync` as above with no rollout or reward resources (`in_trainer`: the rollout worker
+   inside the trainer actor, one actor) vs `sync` (its own rollout actor): whole-run wall time (actor
+   start-up included), the machine's busy CPU seconds over the run (/proc/stat) and step time. Figures:
+   sync_wall_over_in_trainer, sync_cpu_over_in_trainer, sync_step_over_in_trainer.
+3. Reward: separate_async (`--reward-batch-size` 4 prompts x `--reward-n` 2 responses) with a slow reward, `bench/slow_rewards.py:compute_score` (renders each
    response with PIL and reads it back with tesseract through `omni_core.rewards.ocr`, about 0.2 s a
    response), with `async_reward: true` (reward workers score batch k while the rollout worker
    generates k + 1) vs `false` (the rollout worker scores inline after generating).
@@ -55,7 +61,7 @@ SLOW_REWARD = f"{ROOT / 'bench' / 'slow_rewards.py'}:compute_score"
 ROWS = 32
 
 
-def stage_spec(mode: str, async_reward: bool, reward: str, args: argparse.Namespace) -> Any:
+def stage_spec(mode: str, async_reward: bool, reward: str, args: argparse.Namespace, in_trainer: bool = False) -> Any:
     from omni_core.config.models import RLStage
 
     slow = reward == SLOW_REWARD  # fewer responses: a tesseract call per response
@@ -66,24 +72,39 @@ def stage_spec(mode: str, async_reward: bool, reward: str, args: argparse.Namesp
         "rollout": {"n": args.reward_n if slow else args.n, "max_new_tokens": args.max_new_tokens},
         "execution": {"mode": mode, "max_staleness": 1, "async_reward": async_reward},
         "checkpoint": {"save_freq": 0},
-        "resources": {"trainer": {"CPU": 1}, "rollout": {"CPU": 1}, "reward": {"CPU": 1}}})
+        "resources": {"trainer": {"CPU": 1}} if in_trainer else {"trainer": {"CPU": 1}, "rollout": {"CPU": 1},
+                                                                  "reward": {"CPU": 1}}})
 
 
-def run_case(mode: str, async_reward: bool, reward: str, args: argparse.Namespace) -> tuple[list[dict], float]:
-    """One stage run; its per-step metrics and its wall time (actor start-up included)."""
+def machine_cpu_s() -> float | None:
+    """Busy core-seconds of the whole machine so far (/proc/stat), or None off Linux: the actors are
+    other processes, started and ended inside a run."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:8]]
+    except OSError:
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+def run_case(mode: str, async_reward: bool, reward: str, in_trainer: bool, args: argparse.Namespace,
+             ) -> tuple[list[dict], float, float | None]:
+    """One stage run; its per-step metrics, its wall time and the machine's busy CPU seconds (actor
+    start-up included)."""
     from omni_core.data.digits import rotate_row
     from omni_core.storage import Store
     from omni_core.training.ray_stage import config_digest, rl_run_key
     from omni_core.training.runner import StageRun, StageRunner
 
     rows = [rotate_row(f"{i * 37 % 10000:04d}", "train", i) for i in range(ROWS)]
-    stage = stage_spec(mode, async_reward, reward, args)
+    stage = stage_spec(mode, async_reward, reward, args, in_trainer)
     with tempfile.TemporaryDirectory(prefix="omni-bench-async-") as tmp:
         run = StageRun("bench", stage, args.seed, Store(tmp), rows, "v1", rl_run_key(stage, args.seed, "v1"),
                        config_digest(stage, args.seed, "v1"), progress=lambda line: None)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), machine_cpu_s()
         StageRunner(run).run()
-        return run.metrics, time.perf_counter() - start
+        end_cpu = machine_cpu_s()
+        return run.metrics, time.perf_counter() - start, None if cpu is None or end_cpu is None else end_cpu - cpu
 
 
 def kept(metrics: list[dict], warmup: int) -> list[dict]:
@@ -135,11 +156,12 @@ def parallel_capacity(rounds: int = 3) -> dict[str, float]:
     return {"alone_s": round(alone, 3), "together_s": round(together, 3), "speedup": round(alone / together, 2)}
 
 
-CASES = {  # name: (mode, async_reward, reward)
-    "sync": ("sync", False, "digits"),
-    "async": ("separate_async", False, "digits"),
-    "reward_on": ("separate_async", True, SLOW_REWARD),
-    "reward_off": ("separate_async", False, SLOW_REWARD),
+CASES = {  # name: (mode, async_reward, reward, rollout worker inside the trainer)
+    "sync": ("sync", False, "digits", False),
+    "async": ("separate_async", False, "digits", False),
+    "in_trainer": ("sync", False, "digits", True),
+    "reward_on": ("separate_async", True, SLOW_REWARD, False),
+    "reward_off": ("separate_async", False, SLOW_REWARD, False),
 }
 
 
@@ -154,10 +176,13 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, float]]
           f"at once {capacity['together_s']:.3f}s: {capacity['speedup']:.2f}x (2.0 = two free cores)", flush=True)
     pooled: dict[str, list[dict]] = {c: [] for c in cases}
     walls: dict[str, list[float]] = {c: [] for c in cases}
+    cpus: dict[str, list[float]] = {c: [] for c in cases}
     try:
         for repeat in range(args.repeats):  # round-robin over the cases
             for case in cases:
-                metrics, wall = run_case(*CASES[case], args)
+                metrics, wall, cpu = run_case(*CASES[case], args=args)
+                if cpu is not None:
+                    cpus[case].append(round(cpu, 1))
                 steady = kept(metrics, args.warmup)
                 pooled[case] += steady
                 walls[case].append(round(wall, 1))
@@ -167,7 +192,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, float]]
                       f"staleness {part['staleness_mean']:.1f}", flush=True)
     finally:
         ray.shutdown()
-    out: dict[str, Any] = {c: {**summarize(pooled[c]), "wall_s": walls[c]} for c in cases}
+    out: dict[str, Any] = {c: {**summarize(pooled[c]), "wall_s": walls[c], "cpu_s": cpus[c]} for c in cases}
     return out, capacity
 
 
@@ -225,6 +250,16 @@ def main() -> None:
           f"(target >= 1.3: {'met' if figures['target_speedup_met'] else 'NOT met'}); with sync's own gen and train "
           f"times, i.e. if overlapping did not slow either: sync_step / max(gen, train) = {figures['ideal_sync_over_async']}; "
           f"gen and train in async over sync: {asyn['gen_s'] / sync['gen_s']:.2f}x, {asyn['train_s'] / sync['train_s']:.2f}x")
+    colocated = cases["in_trainer"]
+    figures.update({"in_trainer_step_s": colocated["step_s"], "in_trainer_wall_s": colocated["wall_s"],
+                    "sync_step_over_in_trainer": round(sync["step_s"] / colocated["step_s"], 3),
+                    "sync_wall_over_in_trainer": round(statistics.fmean(sync["wall_s"])
+                                                       / statistics.fmean(colocated["wall_s"]), 3),
+                    "sync_cpu_over_in_trainer": round(statistics.fmean(sync["cpu_s"]) / statistics.fmean(colocated["cpu_s"]), 3)
+                    if sync["cpu_s"] and colocated["cpu_s"] else None})
+    print(f"sync with its own rollout actor over sync with the rollout worker inside the trainer: wall "
+          f"{figures['sync_wall_over_in_trainer']}x, machine CPU {figures['sync_cpu_over_in_trainer']}x (start-up "
+          f"included: {sync['cpu_s']} vs {colocated['cpu_s']} CPU s), step {figures['sync_step_over_in_trainer']}x")
     if "reward_on" in cases:
         on, off = cases["reward_on"], cases["reward_off"]
         figures.update({"reward_batch_size": args.reward_batch_size, "reward_n": args.reward_n,
