@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
 
 from omni_core.config.models import RLStage
-from omni_core.training.trainer import rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where an actor uses it, not here: the driver (`omni run`'s flow process) imports this
+# module for the actor classes only, and never needs torch on a run that does not resume (~1.2 CPU s)
 
 
 def trainable_module(model: Any) -> torch.nn.Module:
@@ -51,9 +55,13 @@ class _StageActor:
         return os.getpid()
 
     def rng(self) -> dict[str, Any]:
+        from omni_core.training.trainer import rng_state
+
         return rng_state()
 
     def set_rng(self, torch_state: torch.Tensor, python_state: list[Any] | None) -> None:
+        from omni_core.training.trainer import set_rng_state
+
         set_rng_state(torch_state, python_state)
 
     def step_rows(self, step: int) -> list[dict[str, Any]]:
@@ -178,6 +186,8 @@ class TrainerWorker(_StageActor):
     def learn(self, step: int, drop: bool, workers: int, *parts_and_scores: dict[str, Any]) -> dict[str, float]:
         """Train on batch `step` from the rollout workers' parts (the first `workers` arguments, in
         worker order) and their scores (the rest: one per part); a dropped batch only advances the step."""
+        import torch
+
         from omni_core.training.components import assemble_rollouts
 
         parts, scores = parts_and_scores[:workers], parts_and_scores[workers:]
@@ -234,6 +244,8 @@ class TrainerWorker(_StageActor):
 
     def restore(self, policy: dict[str, torch.Tensor], optimizer: dict[str, Any], global_step: int,
                 torch_rng: torch.Tensor, python_rng: list[Any] | None) -> None:
+        import torch
+
         module = trainable_module(self.trainer.model)
         missing = set(policy) ^ {n for n, p in module.named_parameters() if p.requires_grad}
         if missing:

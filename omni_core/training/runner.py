@@ -386,8 +386,6 @@ class StageRunner:
         run = self.run_
         if run.tracker is not None and run.mlflow_run_id:
             run.tracker.log_metrics(run.mlflow_run_id, metrics, step=step, timestamp_ms=int(time.time() * 1000))
-        from omni_core.training.stage_trainers import progress_line
-
         run.progress(f"[{self.stage.name}] step {step}/{self.stage.trainer.total_steps}  "
                      + progress_line(self.stage, metrics))
 
@@ -399,6 +397,12 @@ class StageRunner:
                                                  f"omni.recovery.{self.recoveries}": message[:4000]})
         run.tracker.log_metrics(run.mlflow_run_id, {"training/recoveries": float(self.recoveries)},
                                 step=len(run.metrics), timestamp_ms=int(time.time() * 1000))
+
+
+def progress_line(stage: RLStage, metrics: dict[str, float]) -> str:
+    """`label=value` for the algorithm's headline metrics (those present), then the step time."""
+    parts = [f"{label}={metrics[key]:.4g}" for key, label in stage.record.progress if key in metrics]
+    return "  ".join([*parts, f"{metrics['timing_s/step']:.2f}s"])
 
 
 def _gang(roles: list[str], resources_of: Callable[[str], dict[str, float]]) -> tuple[PlacementGroup | None,

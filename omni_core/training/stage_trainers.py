@@ -31,12 +31,6 @@ def load_stage_model(stage: RLStage, seed: int) -> tuple[Any, Any]:
                       lora=lora_spec(stage))
 
 
-def progress_line(stage: RLStage, metrics: dict[str, float]) -> str:
-    """`label=value` for the algorithm's headline metrics (those present), then the step time."""
-    parts = [f"{label}={metrics[key]:.4g}" for key, label in stage.record.progress if key in metrics]
-    return "  ".join([*parts, f"{metrics['timing_s/step']:.2f}s"])
-
-
 def build_stage_trainer(stage: RLStage, rows: list[dict[str, Any]], seed: int, *, rollout: bool = True) -> Trainer:
     """Load the stage's model (adapter, adapter_stage, LoRA) and build the algorithm's trainer.
     `rollout=False`: a trainer without its own rollout engine, for an algorithm whose batches come
