@@ -120,6 +120,7 @@ class RolloutWorker(_StageActor):
         part: dict[str, Any] = {
             "lo": lo, "prompts": prompts, "media": media, "version": version,
             "results": [{"output": list(r.output), "logprobs": r.logprobs, "text": r.text} for r in results],
+            "samples": len(results),
             "gen_s": time.perf_counter() - t, "update_weights_s": t_weights}
         if score:
             part.update(score_part(stage, rows, part))
@@ -214,8 +215,7 @@ class TrainerWorker(_StageActor):
         weights = trainable_weights(self.trainer.model) if self.rollout.version != step else None
         part = self.rollout.generate(step, step, weights, True)
         metrics = self.learn(step, False, 1, part, part)
-        return metrics, {**{k: v for k, v in part.items() if k not in ("prompts", "media", "results")},
-                         "samples": len(part["results"])}
+        return metrics, {k: v for k, v in part.items() if k not in ("prompts", "media", "results")}
 
     def step_colocated(self, step: int) -> dict[str, float]:
         if self.trainer.global_step != step:

@@ -353,7 +353,7 @@ class StageRunner:
     def _rollout_metrics(self, step: int, got_parts: list[dict[str, Any]], got_scores: list[dict[str, Any]],
                          ) -> dict[str, float]:
         ex = self.stage.execution
-        samples = sum(p["samples"] if "samples" in p else len(p["results"]) for p in got_parts)
+        samples = sum(p["samples"] for p in got_parts)
         staleness = step - got_parts[0]["version"]
         return {
             "timing_s/gen": max(p["gen_s"] for p in got_parts),
