@@ -24,7 +24,7 @@ from omni_core.models import (
     tiny_model_dir,
     trainable_parameter_count,
 )
-from omni_core.models.omni_processor import decode_wav, media_messages
+from omni_core.models.media import decode_wav, media_messages
 
 OMNI = "Qwen3OmniMoeForConditionalGeneration"
 

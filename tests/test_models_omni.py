@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from omni_core.models import load_model, parameter_count, tiny_model_dir
-from omni_core.models.omni_processor import decode_wav, media_messages
+from omni_core.models.media import decode_wav, media_messages
 
 BUILD_FILES = [
     "model.safetensors",

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from omni_core.errors import ModelError
-from omni_core.models.omni_processor import MEDIA_TOKEN_ATTRS, decode_wav, media_messages
+from omni_core.models.media import MEDIA_TOKEN_ATTRS, decode_wav, media_messages
 
 Row = Mapping[str, Any]
 MEDIA_MARKER = re.compile(r"<(image|audio|video)>")
