@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mlflow_server import mlflow_server  # noqa: F401 - the fixture, one server per test process
 from module_order import DurationRecorder, sort_items
 from ports import free_port
 

@@ -1,9 +1,9 @@
 """A real `mlflow server` for tests: SQLite backend store in a temp folder, artifacts proxied to a bucket
 on the moto S3 server (`--serve-artifacts --artifacts-destination s3://BUCKET/mlartifacts`).
 
-Import the fixture into a test module (`from mlflow_server import mlflow_server`: tests/ is on sys.path); it needs the
-session's `moto_server` fixture from conftest.py. It yields an `MlflowServer` (URL, bucket, moto
-endpoint); the server is stopped when the module's tests are done.
+The fixture is conftest.py's (imported there, so each test process starts one server for all its
+modules: each module names its own experiments and models); it needs the session's `moto_server`. It
+yields an `MlflowServer` (URL, bucket, moto endpoint); the server is stopped at the session's end.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mlflow_server(moto_server: str, tmp_path_factory: pytest.TempPathFactory,
                   mlflow_db: Callable[[Path], str]) -> Iterator[MlflowServer]:
     import boto3

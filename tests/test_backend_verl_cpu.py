@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 from mlflow import MlflowClient
-from mlflow_server import MlflowServer, mlflow_server  # noqa: F401  (fixture)
+from mlflow_server import MlflowServer
 from verl_env import verl_python
 
 from omni_core.backends.jobs.export import export_dataset, stage_model
@@ -66,7 +66,7 @@ def _run(argv: list[str], env: dict[str, str], log: Path, kill_after_step: int |
 
 
 def test_sft_trains_checkpoints_logs_to_mlflow_and_resumes_after_a_kill(
-        tmp_path, mlflow_server: MlflowServer, omni_cache, s3_bucket):  # noqa: F811
+        tmp_path, mlflow_server: MlflowServer, omni_cache, s3_bucket):
     store = Store(str(tmp_path / "store"))
     ingest(store, "gsm8k", DatasetConfig(source="fixtures://gsm8k?rows=24&seed=5", converter="gsm8k"),
            progress=lambda _: None)

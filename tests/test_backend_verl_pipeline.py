@@ -33,7 +33,6 @@ import psutil
 import pytest
 import yaml
 from mlflow import MlflowClient
-from mlflow_server import mlflow_server  # noqa: F401 - fixture
 from pipeline_runs import run_in_order
 from typer.testing import CliRunner
 from verl_env import verl_python

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from mlflow import MlflowClient
-from mlflow_server import MlflowServer, mlflow_server, s3_environment  # noqa: F401  (fixture)
+from mlflow_server import MlflowServer, s3_environment
 from pipeline_runs import digits_pipeline, run_in_order
 from typer.testing import CliRunner
 
@@ -56,7 +56,7 @@ def run_pipeline(data: dict[str, Any]) -> Any:
 
 
 @pytest.fixture(scope="module")
-def served(model_cache_env: Path, mlflow_server: MlflowServer,  # noqa: F811  (own Ray: S3 keys)
+def served(model_cache_env: Path, mlflow_server: MlflowServer,  # own Ray: S3 keys
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     import boto3
     import ray
