@@ -16,8 +16,9 @@ training, a replacement node started: the stage resumes from its last checkpoint
 weights of an uninterrupted run; the Prefect worker SIGKILLed (with its flow run's process, as when
 its host dies) during a deployment run, then started again: `omni deploy`'s automation marks the run
 Crashed when its heartbeats stop, and a re-run takes ingest from the stage cache and trains rl on
-from its last committed checkpoint, no step trained twice beyond it.
-About 10 minutes on a busy 2-core machine (the stack ~3 of them, its servers started side by side)."""
+from its last committed checkpoint, no step trained twice beyond it (that fault comes first: the
+sweep runs on the new worker during the 60 s Prefect waits for the missed heartbeats).
+About 4 minutes in `make test` on a 2-core machine (starting the stack, its servers side by side: ~30 s)."""
 
 from __future__ import annotations
 
@@ -163,10 +164,65 @@ def omni(stack: dict, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def sweep(stack: dict) -> dict:
+def crash(stack: dict) -> dict:
+    """The worker and its flow run's process SIGKILLed once rl committed a checkpoint (its host died);
+    the worker started again at once (it takes only Scheduled runs, not the Running one) and a re-run of
+    the deployment created. Prefect marks the killed run Crashed only after two missed heartbeats (60 s,
+    `omni deploy`'s automation), so this comes first in the module: the sweep runs on the new worker while
+    that time passes, and the test after the sweep's checks what became of both runs. (The pipeline is
+    ingest -> rl: what comes after rl proves nothing here.)"""
+    import psutil
+
+    from omni_core.storage import Store
+
+    workdir = stack["folder"] / "crash"
+    workdir.mkdir()
+    store = f"s3://{stack['bucket']}/crash"
+    config = digits_pipeline(workdir, name="stack-crash", store=store, tracking_uri=stack["mlflow"].url, seed=7,
+                             model_name="stack-crash", samples=2)
+    config["ray"] = {"address": stack["cluster"].address}
+    config["stages"] = [s for s in config["stages"] if s["name"] in ("ingest", "rl")]
+    rl = next(s for s in config["stages"] if s["name"] == "rl")
+    rl["trainer"]["total_steps"] = 4
+    rl["checkpoint"] = {"save_freq": 1}
+    path = workdir / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config))
+    parameters = {"pipeline_file": str(path), "overrides": []}
+    first = create_run(stack, parameters)
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("OMNI_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+            mp.setenv(name, stack["env"][name])
+        s3 = Store(store)
+        deadline = time.monotonic() + 300
+        while not any("global_step_1/_manifest.json" in k for k in s3.list("runs/stack-crash")):
+            assert time.monotonic() < deadline and stack["worker"].poll() is None, \
+                stack["worker_log"].read_text()[-4000:]
+            time.sleep(0.5)
+        worker = psutil.Process(stack["worker"].pid)
+        for proc in [*worker.children(recursive=True), worker]:  # the host dies: the run's process with it
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        stack["worker"].wait(timeout=30)
+        start_worker(stack)
+        # the killed driver's actors are gone (Ray kills an owner's actors): no checkpoint commits after this
+        deadline = time.monotonic() + 60
+        while alive := stage_actors_alive(stack["cluster"]):
+            assert time.monotonic() < deadline, alive
+            time.sleep(0.5)
+        committed = max(int(k.split("global_step_")[1].split("/")[0]) for k in s3.list("runs/stack-crash")
+                        if k.endswith("/_manifest.json") and "global_step_" in k)
+    # the re-run, created while Prefect has yet to notice the crash (it runs meanwhile: the automation
+    # waits two missed heartbeats for nothing the re-run needs)
+    again = create_run(stack, parameters)
+    return {"first": first, "again": again, "committed": committed}
+
+
+@pytest.fixture(scope="module")
+def sweep(stack: dict, crash: dict) -> dict:
     """tests/test_concurrency.py's sweep on the stack, the module's one run of the pipeline deployment:
     four runs created at once through the API (three pipelines differing in seed and lr, one an exact
-    duplicate of the first), one S3 store, the Postgres-backed MLflow server, the cluster."""
+    duplicate of the first), one S3 store, the Postgres-backed MLflow server, the cluster. After `crash`
+    (its re-run shares the cluster with them)."""
     store = f"s3://{stack['bucket']}/sweep"
     paths = sweep_configs(stack["folder"] / "sweep", store=store, tracking_uri=stack["mlflow"].url,
                           model_name="stack-sweep", ray_address=stack["cluster"].address, name="stack-sweep")
@@ -216,6 +272,25 @@ def test_a_sweep_of_four_runs_at_once_on_the_stack(stack: dict, sweep: dict) -> 
     assert lineage.returncode == 0, lineage.stdout + lineage.stderr
     verify = omni(stack, "verify", "--store", store)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_the_worker_killed_during_a_run_crashes_it_and_a_rerun_resumes_from_the_checkpoint(
+        stack: dict, sweep: dict, crash: dict) -> None:
+    """The `crash` fixture's runs, after the sweep: Prefect marked the killed run Crashed when its
+    heartbeats stopped; the re-run took ingest from the stage cache and trained rl from the last committed
+    checkpoint on."""
+    committed = crash["committed"]
+    assert committed < 4, "the training finished before the worker was killed: nothing to resume"
+    crashed = wait_final(stack, crash["first"].id, timeout=200)  # the automation: 60 s without a heartbeat
+    assert crashed.state.is_crashed(), crashed.state
+    again = wait_final(stack, crash["again"].id)
+    assert again.state.is_completed(), f"{again.state}: {stack['worker_log'].read_text()[-4000:]}"
+    runs = mlflow_runs(stack, "stack-crash", f"tags.`prefect.flow_run_id` = '{again.id}'")
+    by_stage = {r.data.tags.get("omni.stage"): (r, steps) for r, steps in runs}
+    assert by_stage["ingest"][0].data.tags["omni.stage_cache"] == "hit", by_stage["ingest"][0].data.tags
+    rl_run, steps = by_stage["rl"]
+    assert rl_run.data.tags["omni.resumed_from_step"] == str(committed), rl_run.data.tags
+    assert steps == set(range(committed + 1, 5)), steps  # nothing before the checkpoint trained again
 
 
 def test_postgres_restarted_next_run_succeeds_and_no_run_is_lost(stack: dict, sweep: dict) -> None:
@@ -360,66 +435,3 @@ def stage_actors_alive(cluster: Any) -> list[dict]:
                          headers={"Authorization": f"Bearer {cluster.token}"}, timeout=30)
     return [a for a in response.json()["data"]["result"]["result"] if a.get("state") == "ALIVE"
             and a.get("class_name") in ("TrainerWorker", "RolloutWorker", "RewardWorker")]
-
-
-def test_the_worker_killed_during_a_run_crashes_it_and_a_rerun_resumes_from_the_checkpoint(stack: dict) -> None:
-    """Last in the module: it replaces the worker. The worker and its flow run's process SIGKILLed
-    once rl committed a checkpoint (its host died); Prefect marks the run Crashed when its heartbeats
-    stop (`omni deploy`'s automation); the worker started again, a re-run of the deployment takes
-    ingest from the stage cache, and rl trains from the last committed checkpoint on. (The pipeline
-    is ingest -> rl: what comes after rl proves nothing here.)"""
-    import psutil
-
-    from omni_core.storage import Store
-
-    workdir = stack["folder"] / "crash"
-    workdir.mkdir()
-    store = f"s3://{stack['bucket']}/crash"
-    config = digits_pipeline(workdir, name="stack-crash", store=store, tracking_uri=stack["mlflow"].url, seed=7,
-                             model_name="stack-crash", samples=2)
-    config["ray"] = {"address": stack["cluster"].address}
-    config["stages"] = [s for s in config["stages"] if s["name"] in ("ingest", "rl")]
-    rl = next(s for s in config["stages"] if s["name"] == "rl")
-    rl["trainer"]["total_steps"] = 4
-    rl["checkpoint"] = {"save_freq": 1}
-    path = workdir / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(config))
-    parameters = {"pipeline_file": str(path), "overrides": []}
-    first = create_run(stack, parameters)
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("OMNI_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
-            mp.setenv(name, stack["env"][name])
-        s3 = Store(store)
-        deadline = time.monotonic() + 300
-        while not any("global_step_1/_manifest.json" in k for k in s3.list("runs/stack-crash")):
-            assert time.monotonic() < deadline and stack["worker"].poll() is None, \
-                stack["worker_log"].read_text()[-4000:]
-            time.sleep(0.5)
-        worker = psutil.Process(stack["worker"].pid)
-        for proc in [*worker.children(recursive=True), worker]:  # the host dies: the run's process with it
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
-        stack["worker"].wait(timeout=30)
-        # the worker started again at once: it takes only Scheduled runs, not the Running one
-        start_worker(stack)
-        # the killed driver's actors are gone (Ray kills an owner's actors): no checkpoint commits after this
-        deadline = time.monotonic() + 60
-        while alive := stage_actors_alive(stack["cluster"]):
-            assert time.monotonic() < deadline, alive
-            time.sleep(0.5)
-        committed = max(int(k.split("global_step_")[1].split("/")[0]) for k in s3.list("runs/stack-crash")
-                        if k.endswith("/_manifest.json") and "global_step_" in k)
-    assert committed < 4, "the training finished before the worker was killed: nothing to resume"
-    # the re-run, created while Prefect has yet to notice the crash (it runs meanwhile: the automation
-    # waits two missed heartbeats, 60 s, for nothing the re-run needs)
-    again = create_run(stack, parameters)
-    crashed = wait_final(stack, first.id, timeout=200)  # the automation: 60 s without a heartbeat
-    assert crashed.state.is_crashed(), crashed.state
-    again = wait_final(stack, again.id)
-    assert again.state.is_completed(), f"{again.state}: {stack['worker_log'].read_text()[-4000:]}"
-    runs = mlflow_runs(stack, "stack-crash", f"tags.`prefect.flow_run_id` = '{again.id}'")
-    by_stage = {r.data.tags.get("omni.stage"): (r, steps) for r, steps in runs}
-    assert by_stage["ingest"][0].data.tags["omni.stage_cache"] == "hit", by_stage["ingest"][0].data.tags
-    rl_run, steps = by_stage["rl"]
-    assert rl_run.data.tags["omni.resumed_from_step"] == str(committed), rl_run.data.tags
-    assert steps == set(range(committed + 1, 5)), steps  # nothing before the checkpoint trained again
