@@ -1,7 +1,7 @@
 """Qwen3-Omni's media conventions without its processor: the tokenizer's media-token attributes,
 verl-style `<image>`/`<audio>`/`<video>` markers as chat-template parts, and WAV bytes as the Whisper
-feature extractor's input. Apart from `omni_processor` because importing transformers' Qwen3-Omni
-processor costs ~1.5 s, which every text-only trainer, rollout and eval process would pay otherwise."""
+feature extractor's input. Apart from `omni_processor`, whose transformers processor classes a
+text-only trainer, rollout or eval process has no use for."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ MEDIA_TOKEN_ATTRS = (
 )
 
 
-_MARKER = re.compile(r"<(image|audio|video)>")
+MEDIA_MARKER = re.compile(r"<(image|audio|video)>")
 
 
 def media_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -38,7 +38,7 @@ def media_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append(message)
             continue
         parts: list[dict[str, Any]] = []
-        pieces = _MARKER.split(content)  # text, kind, text, kind, ..., text
+        pieces = MEDIA_MARKER.split(content)  # text, kind, text, kind, ..., text
         for i, piece in enumerate(pieces):
             if i % 2:
                 parts.append({"type": piece})

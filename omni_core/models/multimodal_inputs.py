@@ -13,7 +13,6 @@ the processor concatenates media over all images/audio clips of a batch, not per
 from __future__ import annotations
 
 import io
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,10 +20,9 @@ import torch
 from torch import Tensor
 
 from omni_core.errors import ModelError
-from omni_core.models.media import MEDIA_TOKEN_ATTRS, decode_wav, media_messages
+from omni_core.models.media import MEDIA_MARKER, MEDIA_TOKEN_ATTRS, decode_wav, media_messages
 
 Row = Mapping[str, Any]
-MEDIA_MARKER = re.compile(r"<(image|audio|video)>")
 
 
 def tokenizer_of(text_io: Any) -> Any:
