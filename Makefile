@@ -14,12 +14,18 @@ VERL_REQUIREMENTS := "verl[verl-core]==0.9.1" "mlflow-skinny>=3.1,<4"
 # verl name ranges, and a freshly set-up machine gave the seeded verl e2e other numbers (README, set-up).
 VENV_LOCK := constraints/venv.txt
 VERL_LOCK := constraints/verl.txt
-# uv installs everything but torch, at the locks' versions, from its cache (hard links): measured on a
-# clean clone with warm caches, both environments side by side, 20 s against pip's 38 s (pip unpacks
-# every wheel again; with uv's cache cold, 33 s). uv does not byte-compile (as pip's --no-compile: compiling
-# all 28k modules of .venv took 68 CPU s; the tests import about a quarter of them, compiled on first use).
-# uv does not read pip's find-links, where this machine keeps the CPU torch: pip installs torch first.
+# uv installs everything but torch, at the locks' versions, from its cache (hard links): `make setup` on a
+# clean clone with warm caches took 26 s against pip's 38 s (pip unpacks every wheel again; with uv's
+# cache cold, 33 s). uv does not byte-compile (as pip's --no-compile: compiling all 28k modules of .venv
+# took 68 CPU s; the tests import about a quarter of them, compiled on first use).
+# torch is pinned: a CPU build that pip takes from this machine's disk (pip's find-links, which uv does
+# not read; a looser pin pulls multi-GB CUDA wheels). pip installs it (and uv) first, and uv's calls keep
+# it pinned, so nothing pulls the CUDA torch verl's extras name.
 UV := "uv==0.13.9"
+# $(call pip_torch_and_uv,VENV) and $(call uv_install,VENV,LOCK) REQUIREMENTS...
+pip_torch_and_uv = $(1)/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true; \
+	$(1)/bin/python -m pip install --quiet --no-compile "torch==2.13.0" $(UV) 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
+uv_install = $(1)/bin/uv pip install --quiet --python $(1)/bin/python -c $(2) "torch==2.13.0"
 # System packages the tests use (installed with apt-get when running as root).
 SYSTEM_PACKAGES := git buildah skopeo docker-registry busybox-static tesseract-ocr tesseract-ocr-eng fonts-dejavu-core postgresql chromium
 
@@ -36,20 +42,14 @@ environments: $(STAMP) $(VERL_STAMP)
 $(STAMP): pyproject.toml Makefile $(VENV_LOCK)
 	@scripts/install-system-packages.sh $(SYSTEM_PACKAGES)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-	@# torch is pinned here: a CPU build that pip takes from this machine's disk (a looser pin pulls
-	@# multi-GB CUDA wheels). uv installs the rest next to it (see UV above).
-	$(BIN)/python -m pip install --quiet --no-compile "torch==2.13.0" $(UV) 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
-	$(BIN)/uv pip install --quiet --python $(BIN)/python -c $(VENV_LOCK) "torch==2.13.0" -e ".[dev]"
+	$(call pip_torch_and_uv,$(VENV))
+	$(call uv_install,$(VENV),$(VENV_LOCK)) -e ".[dev]"
 	@touch $(STAMP)
 
-# torch==2.13.0 (the CPU build on this machine's disk) goes in first, with pip, and stays pinned in uv's
-# call, so nothing pulls the CUDA torch verl's extras name.
 $(VERL_STAMP): Makefile $(VERL_LOCK)
 	@test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
-	$(VERL_VENV)/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-	$(VERL_VENV)/bin/python -m pip install --quiet --no-compile "torch==2.13.0" $(UV) 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
-	$(VERL_VENV)/bin/uv pip install --quiet --python $(VERL_VENV)/bin/python -c $(VERL_LOCK) "torch==2.13.0" $(VERL_REQUIREMENTS)
+	$(call pip_torch_and_uv,$(VERL_VENV))
+	$(call uv_install,$(VERL_VENV),$(VERL_LOCK)) $(VERL_REQUIREMENTS)
 	@touch $(VERL_STAMP)
 
 demo: $(STAMP)
@@ -75,7 +75,7 @@ lint: setup
 BENCH_STAMP := $(VENV)/.installed-bench
 
 $(BENCH_STAMP): $(STAMP)
-	$(BIN)/uv pip install --quiet --python $(BIN)/python -c $(VENV_LOCK) "torch==2.13.0" -e ".[dev,bench]"
+	$(call uv_install,$(VENV),$(VENV_LOCK)) -e ".[dev,bench]"
 	@touch $(BENCH_STAMP)
 
 bench: setup $(BENCH_STAMP)
