@@ -12,7 +12,8 @@ a request with True-CFG is two rows (uncond, cond). Per request-step:
 serial baseline when everything outside the forward costs nothing (bench/rollout.py measures the
 engine itself). The same with the forward under `torch.compile` (inductor, static shapes; its
 compile time is not counted), unless --no-compile. CPU milliseconds (process time), best of
-`--repeats` rounds, each round alternating eager and compiled.
+`--repeats` rounds, each round alternating eager and compiled. `attention_ms_per_row`: one joint
+attention of the model's shape (image and text tokens, its heads) alone, per row at B=1 and B=64.
 """
 
 from __future__ import annotations
@@ -95,8 +96,29 @@ def main() -> None:
         figures["compiled_max_abs_diff"] = float((forwards["compiled"](transformer, *x)
                                                   - sd3_inference_forward(transformer, *x)).abs().max())
         print(f"compiled over eager: {figures['compiled_speedup']}  max |diff| {figures['compiled_max_abs_diff']:.1e}")
+    figures["attention_ms_per_row"] = attention_per_row(transformer, model, calls, args.repeats)
+    print(f"attention alone, CPU ms per row: {figures['attention_ms_per_row']}")
     if args.json:
         print(json.dumps(figures))
+
+
+def attention_per_row(transformer, model, calls: dict[int, int], repeats: int) -> dict[str, float]:
+    """`scaled_dot_product_attention` over [image; text] tokens with the transformer's heads, per row:
+    the part of the forward whose cost batching cannot share."""
+    config = transformer.config
+    tokens = (model.sample_size // config.patch_size) ** 2 + model.max_text_length
+    best: dict[str, float] = {}
+    for rows in (1, 64):
+        q, k, v = (torch.randn(rows, config.num_attention_heads, tokens, config.attention_head_dim) for _ in range(3))
+        for _ in range(3):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        for _ in range(repeats):
+            start = time.process_time()
+            for _ in range(calls[rows]):
+                torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            ms = (time.process_time() - start) / calls[rows] / rows * 1000
+            best[str(rows)] = round(min(best.get(str(rows), ms), ms), 4)
+    return best
 
 
 if __name__ == "__main__":
