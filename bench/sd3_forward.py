@@ -75,10 +75,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for name, forward in forwards.items():
             for rows in ROWS:
-                start = time.process_time()
-                for _ in range(calls[rows]):
-                    forward(transformer, *batch[rows])
-                ms = (time.process_time() - start) / calls[rows] * 1000
+                ms = cpu_ms_per_call(forward, (transformer, *batch[rows]), calls[rows])
                 best[name][rows] = min(best[name].get(rows, ms), ms)
     figures: dict = {"threads": args.threads, "repeats": args.repeats, "warm_up_s": round(warm_s, 1)}
     for name, ms in best.items():
@@ -113,12 +110,16 @@ def attention_per_row(transformer, model, calls: dict[int, int], repeats: int) -
         for _ in range(3):
             torch.nn.functional.scaled_dot_product_attention(q, k, v)
         for _ in range(repeats):
-            start = time.process_time()
-            for _ in range(calls[rows]):
-                torch.nn.functional.scaled_dot_product_attention(q, k, v)
-            ms = (time.process_time() - start) / calls[rows] / rows * 1000
+            ms = cpu_ms_per_call(torch.nn.functional.scaled_dot_product_attention, (q, k, v), calls[rows]) / rows
             best[str(rows)] = round(min(best.get(str(rows), ms), ms), 4)
     return best
+
+
+def cpu_ms_per_call(fn, args: tuple, calls: int) -> float:
+    start = time.process_time()
+    for _ in range(calls):
+        fn(*args)
+    return (time.process_time() - start) / calls * 1000
 
 
 if __name__ == "__main__":
