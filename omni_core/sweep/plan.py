@@ -457,3 +457,34 @@ def settle_concurrency(plan: SweepPlan, total: dict[str, float] | None, where: s
 
 def _resources(total: dict[str, float] | None, demand: dict[str, float]) -> str:
     return ", ".join(f"{k} {(total or {}).get(k, 0.0):g}" for k in demand)
+
+
+# ---- what --dry-run prints ------------------------------------------------------------------------
+
+
+def describe(plan: SweepPlan, concurrency: int, where: str) -> list[str]:
+    spec, asha = plan.spec, plan.asha
+    seeds = f" x {len(plan.seeds)} seeds" if len(plan.seeds) > 1 else ""
+    lines = [f"sweep {spec.name} over pipeline {plan.config.name} ({plan.pipeline_file}): method {spec.method}, "
+             f"seed {plan.seed}, {plan.n_variants} variants ({plan.n_settings} settings{seeds})",
+             f"shared (run once, then every variant takes them from the stage cache): {', '.join(plan.shared) or 'none'}",
+             f"per variant: {', '.join(plan.per_variant)}"
+             + (f" ({plan.added_stage}: added by the sweep, the held-out eval)" if plan.added_stage else ""),
+             f"best variant only: {', '.join(plan.register) or 'none (the pipeline has no register stage)'}"
+             + ("" if spec.register_best else " (register_best: false: not run)"),
+             f"ranked by {plan.metric} on {plan.select_stage} ({plan.goal}); reported on {plan.report_stage}"]
+    if asha is not None:
+        steps = plan.config.stage(asha.stage).trainer.total_steps
+        lines.append(f"early stop: ASHA ({asha.mode}) on {asha.stage} {asha.metric} ({asha.goal}), rungs at steps "
+                     f"{', '.join(map(str, asha.rungs(steps)))} of {steps} (eta {asha.eta}, smooth {asha.smooth})")
+    need = ", ".join(f"{k} {v:g}" for k, v in plan.demand.items()) or "nothing on Ray"
+    lines.append(f"at once: {concurrency} variants (each places {need}"
+                 + (f" at most, in {plan.demand_of}" if plan.demand_of else "") + f"; {where})")
+    lines += [f"warning: {w}" for w in plan.warnings]
+    if not plan.variants:
+        lines.append("variants: drawn by Optuna's TPE sampler as the sweep goes, each from the finished ones")
+        return lines
+    lines.append("variants:")
+    for variant in plan.variants:
+        lines.append(f"  {variant.label}  " + "  ".join(variant.overrides()))
+    return lines
