@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from omni_core.config.models import RayConfig
+from omni_core.errors import OmniError
 
 
 @dataclass
@@ -32,7 +33,7 @@ def shared_ray(config: RayConfig, *, start: bool = True) -> Iterator[SharedRay]:
     import ray
 
     from omni_core.evaluation.ray_job import is_jobs_api
-    from omni_core.training.ray_env import init_ray
+    from omni_core.training.ray_env import wait_for_gcs
 
     if config.address == "local":
         cpus = config.num_cpus or os.cpu_count() or 1
@@ -50,7 +51,12 @@ def shared_ray(config: RayConfig, *, start: bool = True) -> Iterator[SharedRay]:
     if is_jobs_api(config.address):
         yield SharedRay([], None, f"the cluster behind {config.address}")
         return
-    init_ray(config)
+    try:  # only to read what the cluster has: no runtime env (the variants bring their own)
+        wait_for_gcs(config.address)
+        ray.init(address=config.address, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise OmniError(f"ray.address {config.address}: cannot connect ({exc}); start the cluster (with "
+                        "RAY_AUTH_TOKEN set if it uses token authentication) or use ray.address=local") from exc
     try:
         resources = dict(ray.cluster_resources())
     finally:
