@@ -8,6 +8,7 @@ ends up as this flow run's artifacts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -24,6 +25,8 @@ from prefect.states import Cancelled, Failed
 from prefect.utilities.annotations import quote
 
 from omni_core.config.loader import set_path
+from omni_core.errors import OmniError
+from omni_core.file_lock import file_lock
 from omni_core.paths import OMNI_HOME
 from omni_core.quiet import quiet_startup
 from omni_core.sweep.controller import RunRequest
@@ -155,7 +158,14 @@ def sweep(pipeline_file: str, sweep_file: str, overrides: list[str] | None = Non
         folder = OMNI_HOME / "sweeps" / f"{plan.spec.name}-{state.prefix.rsplit('/', 1)[-1]}"
         print(f"sweep {plan.spec.name}: {plan.n_variants} variants, at most {concurrency} at once on {ray.where}; "
               f"logs in {folder}")
-        result = run_sweep(plan, PrefectLauncher(folder), max_concurrent=concurrency, poll_s=poll_s)
+        launcher = PrefectLauncher(folder)
+        with contextlib.ExitStack() as held:
+            try:  # one controller of a sweep per machine
+                held.enter_context(file_lock(folder / "sweep.lock", wait=False))
+            except BlockingIOError:
+                raise OmniError(f"sweep {plan.spec.name} is already running here (it holds {folder / 'sweep.lock'}); "
+                                f"wait for it, or watch it with `omni sweep status {plan.spec.name}`") from None
+            result = run_sweep(plan, launcher, max_concurrent=concurrency, poll_s=poll_s)
     publish_artifacts(result)
     return {"name": plan.spec.name, "headline": result.headline, "rows": result.rows, "registered": result.registered,
             "report_uri": result.report_uri, "mlflow_run_id": result.sweep_run_id, "tracking_uri": plan.config.tracking_uri,
