@@ -5,7 +5,6 @@ flow (flows/sweep.py)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -89,8 +88,9 @@ def run_command(
     if prefect_ui is None:
         start_embedded_prefect_once(prefect_home)
     started = time.perf_counter()
-    # a thread per variant at once (each waits on its process), and one for the winner's registration
-    runner = ThreadPoolTaskRunner(max_workers=max(2, (plan.spec.max_concurrent or os.cpu_count() or 1) + 2))
+    # a thread per variant running (each waits on its process; how many run at once is settled in the flow,
+    # against the Ray), one for the shared stages' run and one for the winner's
+    runner = ThreadPoolTaskRunner(max_workers=min(plan.n_variants, plan.spec.max_concurrent or plan.n_variants) + 2)
     outcome = sweep.with_options(task_runner=runner, flow_run_name=f"sweep-{plan.spec.name}")(
         pipeline_file=str(pipeline_file), sweep_file=str(sweep_file), overrides=list(overrides or []), poll_s=poll_s)
     print_outcome(outcome, time.perf_counter() - started, prefect_ui)
