@@ -272,6 +272,13 @@ class SweepController:
         while live.rungs:
             rung = live.rungs[0]
             value = rung_value(live.history, rung, asha.smooth)
+            if value is None and max(live.history, default=0) > rung:
+                # steps after the rung are logged, its own never will be (a training resumed from a checkpoint
+                # past it, whose run was killed before it logged the step): nothing to decide on there
+                live.rungs.pop(0)
+                record = self.save(live.variant, decided=[*record.get("decided", []), str(rung)])
+                self.progress(f"{live.variant.label}: rung step {rung}: no {asha.metric} logged there; goes on")
+                continue
             if value is None or not rungs.ready(rung, live.variant.index, self.settled_below):
                 return
             decision = rungs.decide(rung, live.variant.index, value)
@@ -294,7 +301,7 @@ class SweepController:
         record = self.state.records.get(index)
         if record is None:
             return False
-        if str(rung) in (record.get("rungs") or {}):
+        if str(rung) in (record.get("rungs") or {}) or str(rung) in (record.get("decided") or []):
             return True
         return record["status"] in (COMPLETED, PRUNED, FAILED) and index not in self.live
 
