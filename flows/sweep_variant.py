@@ -69,7 +69,7 @@ def _drain() -> None:
 
     for worker in (APILogWorker, EventsWorker):
         with contextlib.suppress(Exception):  # best effort: the run's state is already recorded
-            worker.drain_all(timeout=10)
+            worker.drain_all(timeout=5)
 
 
 if __name__ == "__main__":
