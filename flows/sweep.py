@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,15 +105,42 @@ class ProcessRun:
 @task(name="variant", task_run_name="{label}", cache_policy=NO_CACHE)
 def run_in_process(label: str, run: ProcessRun) -> int:
     """Creates the pipeline's flow run under this task run, runs it in its own process, waits for it."""
+    try:
+        proc = start_process(run)
+        code = proc.wait()
+        if proc.stdin is not None:
+            proc.stdin.close()
+    except BaseException as exc:  # the run never started: the controller sees a failed run, not a silent one
+        with open(run.log_path, "a") as log:
+            log.write(f"error: the sweep could not start this run: {type(exc).__name__}: {exc}\n")
+        run.code = 1
+        raise
+    run.code = code
+    return code
+
+
+def start_process(run: ProcessRun) -> subprocess.Popen:
+    from prefect.exceptions import PrefectHTTPStatusError
+
     from flows.pipeline import pipeline
 
     request = run.request
     context = TaskRunContext.get()
-    with get_client(sync_client=True) as client:
-        flow_run = client.create_flow_run(
-            pipeline, name=request.name, parameters={"config": request.data},
-            parent_task_run_id=context.task_run.id if context else None,
-            tags=[f"sweep:{request.tags['omni.sweep.name']}", f"sweep-{request.tags['omni.sweep.role']}"])
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with get_client(sync_client=True) as client:
+                flow_run = client.create_flow_run(
+                    pipeline, name=request.name, parameters={"config": request.data},
+                    parent_task_run_id=context.task_run.id if context else None,
+                    tags=[f"sweep:{request.tags['omni.sweep.name']}", f"sweep-{request.tags['omni.sweep.role']}"])
+            break
+        except PrefectHTTPStatusError as exc:
+            # 409: this task run's own row is not on the server yet (Prefect sends task runs as events, in
+            # the background), and the flow run names it as its parent: it comes within moments
+            if exc.response.status_code != 409 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
     run.request_path.write_text(json.dumps({
         "flow_run_id": str(flow_run.id), "data": request.data, "tags": request.tags, "hold": request.hold,
         "summary_path": str(run.summary_path)}))
@@ -120,11 +148,7 @@ def run_in_process(label: str, run: ProcessRun) -> int:
         proc = subprocess.Popen([sys.executable, "-m", "flows.sweep_variant", str(run.request_path)], cwd=os.getcwd(),
                                 env=run.env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True)
     run.started(proc, str(flow_run.id))
-    code = proc.wait()
-    if proc.stdin is not None:
-        proc.stdin.close()
-    run.code = code
-    return code
+    return proc
 
 
 class PrefectLauncher:
