@@ -255,7 +255,8 @@ def test_a_sigkilled_sweep_run_again_keeps_what_finished_and_resumes_the_rest(sw
     assert records["v002"]["attempts"] == 2 and kept and "v002" not in kept
     assert f"resuming: {len(kept)} of 3 variants already finished (kept)" in sweep["done"].stdout
     assert records["v002"]["status"] == "completed"
-    trainings = sorted(runs(sweep, "tags.`omni.sweep.variant` = '2' and tags.`omni.stage` = 'rl'"),
+    trainings = sorted(runs(sweep, "tags.`omni.sweep.variant` = '2' and tags.`omni.stage` = 'rl' and "
+                                   "tags.`omni.sweep.role` = 'variant'"),
                        key=lambda r: r.info.start_time)
     assert len(trainings) == 2
     again = trainings[1].data.tags
