@@ -41,7 +41,7 @@ def shared_ray(config: RayConfig, *, start: bool = True) -> Iterator[SharedRay]:
         if not start:
             yield SharedRay([], {"CPU": float(cpus)}, where)
             return
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
+        start_local_ray(cpus)
         try:
             address = ray.get_runtime_context().gcs_address
             yield SharedRay([f"ray.address={address}", "ray.code=image"], dict(ray.cluster_resources()), where)
@@ -62,3 +62,24 @@ def shared_ray(config: RayConfig, *, start: bool = True) -> Iterator[SharedRay]:
     finally:
         ray.shutdown()
     yield SharedRay([], resources, f"the cluster at {config.address}")
+
+
+RAY_START_TIMED_OUT = "timed out during startup"  # Ray gives a node 30 s to register, hard-coded
+
+
+def start_local_ray(cpus: int) -> None:
+    """A local Ray of `cpus` CPUs in this process; started again once when it missed Ray's own start-up
+    timeout (a busy small machine does, now and then)."""
+    import ray
+
+    for attempt in (1, 2):
+        try:
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
+            return
+        except Exception as exc:  # Ray raises a bare Exception for it
+            ray.shutdown()
+            if RAY_START_TIMED_OUT not in str(exc):
+                raise
+            if attempt == 2:
+                raise OmniError(f"the sweep's local Ray did not start ({exc}); the machine is too busy: try again, "
+                                "or start one with `ray start --head` and give its address as ray.address") from exc
