@@ -192,6 +192,8 @@ def killed_then_run_again(cwd: Path, env: dict[str, str], args: list[str], label
     return log.read_text(), omni(args, cwd, env)
 
 
+# The first slow test waits for this fixture: 543 s of set-up at load 11-16 on the shared 2-core machine
+# (each of its seven processes starts Prefect, MLflow and Ray clients), hence their timeout of 1200 s.
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory: pytest.TempPathFactory, prefect_server: dict[str, str], prefect_client: Any,
           model_cache: Path, mlflow_db: Any) -> dict[str, Any]:
@@ -220,6 +222,7 @@ def runs(sweep: dict[str, Any], query: str) -> list[Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_the_shared_stage_ran_once_and_every_variant_took_it_from_the_cache(sweep: dict[str, Any]) -> None:
     ingests = runs(sweep, "tags.`omni.stage` = 'ingest'")
     ran = [r for r in ingests if r.data.tags.get("omni.stage_cache") != "hit"]
@@ -231,6 +234,7 @@ def test_the_shared_stage_ran_once_and_every_variant_took_it_from_the_cache(swee
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_the_variants_ran_at_once_on_the_sweeps_one_ray(sweep: dict[str, Any]) -> None:
     first, second = sorted(runs(sweep, "tags.`omni.sweep.role` = 'variant' and tags.`omni.stage` = 'rl'"),
                            key=lambda r: r.info.start_time)[:2]
@@ -245,6 +249,7 @@ def test_the_variants_ran_at_once_on_the_sweeps_one_ray(sweep: dict[str, Any]) -
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_a_sigkilled_sweep_run_again_keeps_what_finished_and_resumes_the_rest(sweep: dict[str, Any]) -> None:
     """What finished before the SIGKILL is kept; the last variant (killed during its training) ran again
     from its checkpoint. The variants' results do not depend on the interruption (a resumed training ends
@@ -267,6 +272,7 @@ def test_a_sigkilled_sweep_run_again_keeps_what_finished_and_resumes_the_rest(sw
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_asha_pruned_a_variant_that_was_never_evaluated_nor_registered(sweep: dict[str, Any]) -> None:
     records = sweep["records"]
     statuses = [r["status"] for r in records]
@@ -296,6 +302,7 @@ def test_asha_pruned_a_variant_that_was_never_evaluated_nor_registered(sweep: di
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_the_winner_alone_registered_with_the_sweeps_tags_and_lineage(sweep: dict[str, Any]) -> None:
     table = json.loads((sweep["prefix"] / "report" / "comparison.json").read_text())
     best = table["headline"]["best"]
@@ -316,6 +323,7 @@ def test_the_winner_alone_registered_with_the_sweeps_tags_and_lineage(sweep: dic
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_the_comparison_in_the_store_mlflow_prefect_and_the_terminal(sweep: dict[str, Any]) -> None:
     from PIL import Image
 
