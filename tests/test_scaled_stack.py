@@ -291,7 +291,7 @@ def test_the_sweep_of_tests_test_sweep_runs_unchanged_on_the_stack(stack: dict) 
                           cwd=stack["folder"] / "omni-sweep", env=stack["env"], capture_output=True, text=True,
                           timeout=540)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "on the cluster at " in done.stdout and "shared stages ingest" in done.stdout
+    assert "on the cluster at " in done.stdout + done.stderr and "shared stages ingest" in done.stdout
     with pytest.MonkeyPatch.context() as mp:
         for name in ("OMNI_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
             mp.setenv(name, stack["env"][name])
