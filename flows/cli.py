@@ -45,12 +45,14 @@ def _mount_subcommands() -> None:
     from flows.cli_datasets import datasets_app, ingest_command
     from flows.cli_deploy import register_commands
     from flows.cli_image import image_app
+    from flows.cli_init import init_command
     from flows.cli_lineage import register_commands as register_lineage
     from flows.cli_recipes import register_commands as register_recipes
     from flows.cli_server import server_app
     from flows.cli_verify import register_commands as register_verify
 
     app.command("ingest")(ingest_command)
+    app.command("init")(init_command)
     app.add_typer(datasets_app, name="datasets")
     app.add_typer(image_app, name="image")
     app.add_typer(server_app, name="server")

@@ -118,3 +118,43 @@ def test_a_new_top_page_joins_guides_and_an_unlisted_section_page_fails(docs_cop
     (docs_copy / "docs/tutorials/orphan.md").write_text("# Orphan\n")
     result = build(docs_copy, tmp_path / "site2")
     assert result.returncode != 0 and "tutorials/orphan.md" in result.stderr, result.stderr[-3000:]
+
+
+def test_every_command_on_every_page_is_real() -> None:
+    """Each `omni ...` in a shell block of README.md or docs/ names a command and options it has (run or
+    not: the scaled-out tutorial's blocks are checked here only), and each `make X` a Makefile target."""
+    from doc_pages import blocks as shell_blocks
+    from doc_pages import make_targets, makefile_targets, omni_commands, omni_problem, pages
+
+    from flows.cli import app
+
+    root = typer.main.get_command(app)
+    targets = makefile_targets()
+    problems, seen = [], 0
+    for page in pages():
+        for block in shell_blocks(page):
+            where = f"{page.relative_to(ROOT)}:{block.line}"
+            for args in omni_commands(block.code):
+                seen += 1
+                if problem := omni_problem(root, args):
+                    problems.append(f"{where}: {problem}")
+            problems += [f"{where}: make {t}: no such Makefile target" for t in make_targets(block.code)
+                         if t not in targets]
+    assert seen > 50, seen
+    assert not problems, "commands in the docs that do not exist:\n  " + "\n  ".join(problems)
+
+
+def test_the_command_check_catches_what_it_is_for() -> None:
+    from doc_pages import commands, omni_commands, omni_problem
+
+    from flows.cli import app
+
+    root = typer.main.get_command(app)
+    assert omni_problem(root, ["run", "p.yaml", "--dry-run"]) is None
+    assert "no command 'rnu'" in omni_problem(root, ["rnu", "p.yaml"])
+    assert "--dryrun" in omni_problem(root, ["run", "p.yaml", "--dryrun"])
+    assert omni_problem(root, ["datasets", "show"])  # its argument is missing
+    code = "omni init grpo x && omni run x/pipeline.yaml | grep y\ncat > f <<'EOF'\nomni nothing\nEOF\n" \
+           "A=1 .venv/bin/omni validate \\\n  p.yaml seed=1  # a comment\n"
+    assert omni_commands(code) == [["init", "grpo", "x"], ["run", "x/pipeline.yaml"], ["validate", "p.yaml", "seed=1"]]
+    assert ["grep", "y"] in commands(code)
