@@ -84,6 +84,12 @@ docs: $(STAMP)
 docs-reference: $(STAMP)
 	$(BIN)/python scripts/gen_docs_reference.py
 
+# The site's pictures (docs/images/): the demo and configs/flow_grpo.yaml run in .omni-screenshots/, then
+# headless Chromium photographs MLflow and the Prefect UI (scripts/docs_screenshots.py; chromium is one of
+# SYSTEM_PACKAGES). QUICK=1: fewer training steps.
+docs-screenshots: $(STAMP)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python scripts/docs_screenshots.py $(if $(QUICK),--quick)
+
 docs-serve: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
 
@@ -108,4 +114,4 @@ lock:
 	@$(call write_lock,$(VERL_VENV),$(VERL_LOCK))
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) .omni site
+	rm -rf $(VENV) $(VERL_VENV) .omni site .omni-screenshots

@@ -205,7 +205,7 @@ class Shot:
 
 
 def js_text(fragment: str) -> str:
-    return f"document.body && document.body.innerText.includes({json.dumps(fragment)})"
+    return f"(document.body !== null && document.body.innerText.includes({json.dumps(fragment)}))"
 
 
 # MLflow's run page opens its assistant panel beside the content: closed before a capture

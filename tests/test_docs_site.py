@@ -158,3 +158,28 @@ def test_the_command_check_catches_what_it_is_for() -> None:
            "A=1 .venv/bin/omni validate \\\n  p.yaml seed=1  # a comment\n"
     assert omni_commands(code) == [["init", "grpo", "x"], ["run", "x/pipeline.yaml"], ["validate", "p.yaml", "seed=1"]]
     assert ["grep", "y"] in commands(code)
+
+
+def test_validate_errors_say_what_the_key_is() -> None:
+    """A wrong value's error carries the field's description, the same text as the reference's row."""
+    import yaml
+
+    from omni_core.config import ConfigValidationError, validate_pipeline
+    from omni_core.config.models import RolloutConfig
+
+    data = yaml.safe_load((ROOT / "configs/demo.yaml").read_text())
+    rl = next(s for s in data["stages"] if s["name"] == "rl")
+    rl["rollout"]["n"] = 0
+    rl["algorithm"]["clip_ratio_low"] = -1
+    data["datasets"]["digits"]["shard_rows"] = 0
+    with pytest.raises(ConfigValidationError) as caught:
+        validate_pipeline(data, "demo.yaml")
+    from omni_core.config.models import DatasetConfig
+    from omni_core.training.algorithms.grpo import PolicyGradientOptions
+    described = {"stages.rl.rollout.n": RolloutConfig.model_fields["n"].description,
+                 "stages.rl.algorithm.clip_ratio_low": PolicyGradientOptions.model_fields["clip_ratio_low"].description,
+                 "datasets.digits.shard_rows": DatasetConfig.model_fields["shard_rows"].description}
+    for key, description in described.items():
+        line = next(e for e in caught.value.errors if e.startswith(f"{key}:"))
+        assert description.rstrip(".") in line, line
+        assert description.rstrip(".") in (ROOT / "docs/reference/config.md").read_text()

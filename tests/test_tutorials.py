@@ -4,14 +4,16 @@ built-in models and fixtures, and the output holds each page's `<!-- expect: ...
 marked `<!-- not run: REASON -->` (it needs a GPU cluster or the server stack) is not run; its commands
 are checked like every other page's (tests/test_docs_site.py: real commands, real options).
 
-The workspace is what a user's is: `omni` on PATH, omni's local Prefect server (started by the first
-`omni run` there, stopped at the end; its database a migrated copy), `.omni/` holding every project's
-store and MLflow database. Two differences, neither visible to the pages: `pip install` goes to a folder
-of the workspace on PYTHONPATH (PIP_TARGET), not into the suite's environment; and the tiny models come
-from the suite's shared cache ($OMNI_CACHE_DIR).
+The workspace is what a user's is: `omni` on PATH, `.omni/` holding every project's store and MLflow
+database. The differences, none visible to the pages: the Prefect server is one this module starts
+(`prefect server start` with its UI, as scripts/docs_screenshots.py starts it; PREFECT_API_URL points the
+pages at it) instead of omni's local server; `pip install` goes to a folder of the workspace on
+PYTHONPATH (PIP_TARGET), not into the suite's environment; and the tiny models come from the suite's
+shared cache ($OMNI_CACHE_DIR).
 
 The runs are shared by the assertions after them: the metric names each training and eval run logged
-are the ones docs/reference/metrics.md documents (the algorithms' and eval kinds' records).
+are the ones docs/reference/metrics.md documents (the algorithms' and eval kinds' records), and the
+screenshot code of `make docs-screenshots` takes its pictures of them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from doc_pages import DOCS, ROOT, blocks, expectations, script
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 BIN = Path(sys.executable).parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import docs_screenshots  # noqa: E402
 
 
 def tutorial_pages() -> list[Path]:
@@ -56,13 +60,14 @@ def page_env(workspace: Path, cache: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory, prefect_db: Callable[[Path], Path],
               model_cache: Path) -> Iterator[tuple[Path, dict[str, str]]]:
+    """The workspace folder and the pages' environment, with a Prefect server (UI on) for the module."""
     folder = tmp_path_factory.mktemp("tutorials")
-    prefect_db(folder / ".omni" / "prefect" / "prefect.db")  # omni's local server starts on a migrated copy
+    prefect_db(folder / ".omni" / "prefect" / "prefect.db")  # a migrated copy: the server skips migrations
+    port = docs_screenshots.free_port()
     env = page_env(folder, model_cache)
-    try:
+    env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+    with docs_screenshots.prefect_server(folder, port):
         yield folder, env
-    finally:
-        subprocess.run([str(BIN / "omni"), "server", "stop"], cwd=folder, env=env, capture_output=True, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +140,26 @@ def test_every_metric_the_runs_logged_is_documented(runs: dict, workspace: tuple
             undocumented[owner] = extra
     assert not undocumented, ("metrics logged but not in their records (Algorithm.metrics, "
                               f"omni_core/evaluation/metrics.py): {undocumented}")
+
+
+def test_the_screenshots_show_the_runs(runs: dict, workspace: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    """`make docs-screenshots`' pictures, taken of the tutorials' runs: the MLflow run page with its
+    metric charts, the eval samples table, the diffusion eval grid and the Prefect flow run. Each page is
+    captured only once its text shows the run's name (and what the picture is of: the charts drawn, the
+    table's cells, the grid loaded, the flow run's register task); each picture is a full, non-blank PNG."""
+    from PIL import Image
+
+    folder, env = workspace
+    shots = docs_screenshots.take(folder, tmp_path, env["PREFECT_API_URL"].removesuffix("/api"), "my-project",
+                                  "diffusion")
+    assert [s.file for s in shots] == ["mlflow-run-metrics.png", "mlflow-eval-samples.png", "mlflow-eval-grid.png",
+                                       "prefect-flow-run.png"]
+    assert shots[0].name == "my-project rl" and shots[2].name == "diffusion eval"
+    assert re.fullmatch(r"[a-z]+-[a-z]+", shots[3].name), shots[3].name  # a Prefect flow run's name
+    for shot in shots:
+        with Image.open(tmp_path / shot.file) as image:
+            assert image.size == (docs_screenshots.WIDTH, docs_screenshots.HEIGHT), shot
+            colours = image.convert("RGB").getcolors(maxcolors=1 << 16)
+            assert colours is None or len(colours) > 50, f"{shot.file}: {len(colours)} colours: blank?"
+    for curve in ("reward-curve-demo.png", "reward-curve-flow-grpo.png"):
+        assert (tmp_path / curve).read_bytes().startswith(b"\x89PNG"), curve
