@@ -50,9 +50,11 @@ def pipeline_name(directory: Path, template: Template) -> str:
 
 
 def prefix(directory: Path) -> str:
-    """How the pipeline file names a file of `directory`, relative to the folder omni runs in."""
+    """How the pipeline file names a file of `directory`, relative to the folder omni runs in (escaped for
+    the double-quoted YAML strings the templates put it in)."""
     text = directory.as_posix()
-    return "" if text in ("", ".") else text.rstrip("/") + "/"
+    text = "" if text in ("", ".") else text.rstrip("/") + "/"
+    return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def render(template: Template, directory: Path) -> dict[str, str]:
@@ -60,7 +62,7 @@ def render(template: Template, directory: Path) -> dict[str, str]:
     python = str(VERL_VENV_PYTHON) if VERL_VENV_PYTHON.exists() else "python3"
     text = (TEMPLATES / f"{template.value}.yaml").read_text(encoding="utf-8")
     text = (text.replace("__DIR__", prefix(directory)).replace("__NAME__", pipeline_name(directory, template))
-            .replace("__VERL_PYTHON__", python))
+            .replace("__VERL_PYTHON__", python.replace("\\", "\\\\").replace('"', '\\"')))
     files = {"pipeline.yaml": text}
     stub = ABOUT[template][1]
     if stub:

@@ -23,6 +23,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -76,8 +77,10 @@ def runs(workspace: tuple[Path, dict[str, str]]) -> dict[str, subprocess.Complet
     folder, env = workspace
     out = {}
     for page in tutorial_pages():
+        started = time.monotonic()
         out[page.name] = subprocess.run(["bash", "-c", script(page)], cwd=folder, env=env, capture_output=True,
                                         text=True, timeout=900)
+        print(f"docs/tutorials/{page.name}: {time.monotonic() - started:.1f} s", flush=True)  # shown with -s
     return out
 
 
