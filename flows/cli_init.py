@@ -20,7 +20,6 @@ from rich.console import Console
 from omni_core.errors import ConfigError
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-VERL_VENV_PYTHON = Path(__file__).resolve().parents[1] / ".venv-verl" / "bin" / "python"
 console = Console(highlight=False, soft_wrap=True)
 
 
@@ -38,8 +37,8 @@ ABOUT = {
     Template.mpo: ("preference pairs: MPO (sigmoid + BCO-pair + SFT); eval on held-out pairs; register", None),
     Template.flow_grpo: ("diffusion: FlowGRPO on a text-to-image model with your image reward; eval grid; register",
                          "reward_image.py"),
-    Template.verl: ("verl as the trainer: SFT then GRPO as Ray Jobs (device: cpu on one machine); eval; register",
-                    None),
+    Template.verl: ("verl as the trainer: SFT then GRPO with your reward as Ray Jobs (device: cpu on one machine); "
+                    "eval; register", "reward_text.py"),
 }
 
 
@@ -59,10 +58,8 @@ def prefix(directory: Path) -> str:
 
 def render(template: Template, directory: Path) -> dict[str, str]:
     """File name -> text of what `omni init` writes into `directory`."""
-    python = str(VERL_VENV_PYTHON) if VERL_VENV_PYTHON.exists() else "python3"
     text = (TEMPLATES / f"{template.value}.yaml").read_text(encoding="utf-8")
-    text = (text.replace("__DIR__", prefix(directory)).replace("__NAME__", pipeline_name(directory, template))
-            .replace("__VERL_PYTHON__", python.replace("\\", "\\\\").replace('"', '\\"')))
+    text = text.replace("__DIR__", prefix(directory)).replace("__NAME__", pipeline_name(directory, template))
     files = {"pipeline.yaml": text}
     stub = ABOUT[template][1]
     if stub:
