@@ -29,13 +29,13 @@ class VerlBackend(JobBackendOptions):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: Literal["verl"] = "verl"
+    name: Literal["verl"] = Field("verl", description="verl's trainer as a Ray Job.")
     python: str | None = Field(
         None, description="The interpreter the Ray Job runs, which must have verl on the Ray nodes; left out: this "
                           "checkout's .venv-verl when it has verl (a laptop after `make setup`), else python3 (the "
                           "CUDA image's).")
-    nnodes: int = Field(1, ge=1)
-    n_gpus_per_node: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1, description="Nodes of the job (trainer.nnodes); sft runs on one.")
+    n_gpus_per_node: int = Field(1, ge=1, description="GPUs per node (trainer.n_gpus_per_node).")
     rollout_engine: Literal["vllm", "sglang"] = Field("vllm", description="main_ppo's rollout engine.")
     device: Literal["gpu", "cpu"] = Field(
         "gpu", description="cpu: the same command on one CPU rank, with verl's `omni_cpu` rollout (transformers) "
