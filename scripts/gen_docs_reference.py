@@ -129,6 +129,10 @@ def dynamic_description(field: FieldInfo) -> str:
     return schema.get("description", "")
 
 
+def header(title: str, intro: str) -> list[str]:
+    return [GENERATED, "", f"# {title}", "", intro, ""]
+
+
 def cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
@@ -192,11 +196,11 @@ def config_page() -> str:
     from omni_core.config.backends import _BACKENDS, BackendOptions
     from omni_core.config.models import _STAGE_CONFIGS, PipelineConfig, StageBase, stage_kinds
 
-    lines = [GENERATED, "", "# Pipeline file", "",
-             "Every key a pipeline file can hold, generated from the pydantic models in `omni_core/config/` and the "
-             "registered stage kinds, algorithms and backends (plugins' included). `omni validate` checks a file "
-             "against the same models and names the key of every problem. Overrides on the command line use the "
-             "same dotted paths: `omni run p.yaml stages.rl.trainer.total_steps=3`.", "",
+    lines = [*header("Pipeline file",
+                     "Every key a pipeline file can hold, generated from the pydantic models in `omni_core/config/` and "
+                     "the registered stage kinds, algorithms and backends (plugins' included). `omni validate` checks "
+                     "a file against the same models and names the key of every problem. Overrides on the command "
+                     "line use the same dotted paths: `omni run p.yaml stages.rl.trainer.total_steps=3`."),
              "## Top level", ""]
     skip = (StageBase, AlgorithmOptions, BackendOptions)
     top = model_section(PipelineConfig, "", 3, skip)
@@ -356,10 +360,10 @@ def cli_page() -> str:
     from flows.cli import app
 
     root = typer.main.get_command(app)
-    lines = [GENERATED, "", "# Command line", "",
-             "Every `omni` command, argument and option, generated from the typer app (`flows/cli.py` and the "
-             "`flows/cli_*.py` modules it mounts). `omni COMMAND --help` prints the same. An error a user can "
-             "cause prints one line and exits with status 2; `omni --debug COMMAND` shows the traceback.", ""]
+    lines = header("Command line",
+                   "Every `omni` command, argument and option, generated from the typer app (`flows/cli.py` and the "
+                   "`flows/cli_*.py` modules it mounts). `omni COMMAND --help` prints the same. An error a user can "
+                   "cause prints one line and exits with status 2; `omni --debug COMMAND` shows the traceback.")
     rows = param_rows(root)
     if rows:
         lines += ["## omni", "", *rows, ""]
@@ -393,11 +397,11 @@ def metrics_page() -> str:
     from omni_core.evaluation.metrics import EVAL_KINDS, EVAL_METRIC_NOTES
     from omni_core.lineage.datasets import INGEST_METRICS
 
-    lines = [GENERATED, "", "# Metric names", "",
-             "The metrics a training or eval stage logs on its MLflow run, generated from the algorithms' records "
-             "(`Algorithm.metrics`) and the eval kinds' (`omni_core/evaluation/metrics.py`). The names follow verl's "
-             "(TRL's for preference evaluation), so dashboards carry over. MLflow refuses `@` in a metric name: "
-             "`mean@1` is logged as `mean_at_1`, as verl's MLflow logger does.", "",
+    lines = [*header("Metric names",
+                     "The metrics a training or eval stage logs on its MLflow run, generated from the algorithms' "
+                     "records (`Algorithm.metrics`) and the eval kinds' (`omni_core/evaluation/metrics.py`). The names "
+                     "follow verl's (TRL's for preference evaluation), so dashboards carry over. MLflow refuses `@` in "
+                     "a metric name: `mean@1` is logged as `mean_at_1`, as verl's MLflow logger does."),
              "## Every training stage", "",
              "Logged by the stage runner whatever the algorithm (native backend).", "",
              *metric_rows(RUNNER_METRICS), "",
