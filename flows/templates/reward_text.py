@@ -2,8 +2,8 @@
 
 `solution_str` is the model's response, `ground_truth` the row's `reward_model.ground_truth` (GSM8K: the
 final number), `extra_info` the row's `extra_info` (question, answer, index, split). Return a float, or a
-dict with "score" (and any other numbers, which eval stages report too). verl loads this file in its own
-interpreter: keep to the standard library (or packages the Ray nodes have).
+dict with "score" (and any other numbers, which eval stages report too). A verl stage loads the file in
+verl's interpreter: keep to the standard library (or packages the Ray nodes have).
 """
 
 import re
