@@ -405,7 +405,10 @@ def metrics_page() -> str:
              "## Every training stage", "",
              "Logged by the stage runner whatever the algorithm (native backend).", "",
              *metric_rows(RUNNER_METRICS), "",
-             "## Training, by algorithm", ""]
+             "## Training, by algorithm", "",
+             "What our trainers log per step (`backend: native`). A `backend: verl` or `verl_omni` stage's training "
+             "metrics are verl's own, written by verl's MLflow logger into the stage's run: the same names where "
+             "these come from verl, and more of verl's (`actor/entropy`, `actor/perf/...`, ...).", ""]
     by_record: dict[int, tuple[Any, list[str]]] = {}
     for name, record in algorithm_records():
         by_record.setdefault(id(record), (record, []))[1].append(name)
