@@ -102,7 +102,7 @@ def wanted() -> bool:
     return mode == "local"
 
 
-def idle_minutes() -> float:
+def configured_idle_minutes() -> float:
     """OMNI_PREFECT_SERVER_IDLE_MINUTES: how long a server started by a command may go unused."""
     raw = os.environ.get(IDLE_VARIABLE, "").strip()
     if not raw:
@@ -150,14 +150,19 @@ def forget(home: Path, server: LocalServer) -> None:
 EXEC_WAIT_S = 5.0  # how long a just-spawned process may show no command line (see _alive)
 
 
-def _alive(pid: int) -> bool:
-    """The process exists and is a Prefect server (not a pid the system gave to something else)."""
+def _exists(pid: int) -> bool:
+    """A process of this user has this pid (another user's is not one omni started here)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         return False
-    except PermissionError:
-        return False  # another user's process: not one we started
+    return True
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is a Prefect server (not a pid the system gave to something else)."""
+    if not _exists(pid):
+        return False
     if not Path("/proc/self").exists():
         return True  # no /proc: trust the pid
     # Popen returns once the exec has closed its close-on-exec pipe, before the kernel has placed the new
@@ -241,18 +246,19 @@ def _running(server: LocalServer) -> bool:
     return _alive(server.pid)
 
 
-def _claim(home: Path, port: int | None = None, stay: bool = False) -> LocalServer:
-    """The recorded server if its process runs, else a new one (started, recorded; on `port` if given),
-    with this process added to its clients (and made to stay if `stay`). Under the lock, so concurrent
-    commands start one, and the server cannot decide to stop while one finds it."""
+def _claim(home: Path, idle: float | None, port: int | None = None) -> LocalServer:
+    """The recorded server if its process runs, else a new one (started, recorded; on `port` if given)
+    that stops after `idle` minutes unused; with this process added to its clients, and made to stay if
+    `idle` is None. Under the lock, so concurrent commands start one, and the server cannot decide to
+    stop while one finds it."""
     with locked(home):
         server = read_record(home)
         if server is None or not _running(server):
-            server = _spawn(home, port, None if stay else idle_minutes())
+            server = _spawn(home, port, idle)
         now = time.time()
-        server.clients = [c for c in server.clients if c[0] != os.getpid()] + [[os.getpid(), now]]
+        server.clients = [c for c in server.clients if c[0] != os.getpid() and _exists(int(c[0]))] + [[os.getpid(), now]]
         server.last_used = now
-        if stay:
+        if idle is None:
             server.idle_minutes = None
         _write(home, server)
         return server
@@ -264,7 +270,8 @@ def start_local_server(home: str | Path, stay: bool = False) -> tuple[LocalServe
     (LocalServerError with its log's tail if it does not within OMNI_PREFECT_SERVER_START_TIMEOUT
     seconds, default 180). `stay`: it does not stop when unused (`omni server start`)."""
     home = Path(home).resolve()
-    server = _claim(home, stay=stay)
+    idle = None if stay else configured_idle_minutes()
+    server = _claim(home, idle)
     url = server.api_url  # the caller's Prefect reads it before the server answers: it must not change
 
     def wait() -> LocalServer:
@@ -275,7 +282,7 @@ def start_local_server(home: str | Path, stay: bool = False) -> tuple[LocalServe
             if not _running(server):
                 if not restarted:  # a server that died before it answered: one more try, same port
                     restarted = True
-                    server = _claim(home, server.port, stay)
+                    server = _claim(home, idle, server.port)
                     if server.api_url == url:
                         continue
                 raise LocalServerError(f"omni's local Prefect server exited at start-up (or moved to another "

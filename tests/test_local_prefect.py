@@ -174,6 +174,7 @@ def _flow_runs(url: str) -> dict[str, str]:
     return {r["id"]: r["name"] for r in httpx.post(f"{url}/api/flow_runs/filter", json={}, timeout=30).json()}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(chromium() is None, reason="chromium is not installed (make setup installs it)")
 def test_runs_from_several_directories_each_get_one_server_that_shows_them_and_stops_when_unused(
         tmp_path: Path, prefect_db) -> None:
