@@ -194,7 +194,9 @@ def test_plan_and_dry_run_print_the_ray_jobs_without_running_anything(tmp_path):
     assert env["AWS_SECRET_ACCESS_KEY"] == "<from the driver's $AWS_SECRET_ACCESS_KEY>"
     assert env["MLFLOW_TRACKING_URI"] == data["tracking_uri"]
     # the grpo stage: its model is the sft stage's checkpoint, known only once that stage ran
-    assert rl["entrypoint"].split(" && ")[1].startswith("python3 -m verl.trainer.main_ppo ")
+    # backend.python left out: the job runs the interpreter the Hydra check composed its command with,
+    # this checkout's .venv-verl (one decision for both)
+    assert rl["entrypoint"].split(" && ")[1].startswith(f"{verl_python()} -m verl.trainer.main_ppo ")
     assert rl["overrides"][-1] == "actor_rollout_ref.rollout.gpu_memory_utilization=0.5"
     assert rl["stages"]["model"]["from"] == "<checkpoint of sft>" and rl["run_key"] is None
     assert f"{shared}/datasets/gsm8k/{version}/rl/train-00000.parquet" in rl["stages"]["dataset"]["files"]

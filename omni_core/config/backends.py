@@ -45,6 +45,11 @@ class BackendOptions(BaseModel):
         """The options' dump as the run key holds it."""
         return {k: v for k, v in dumped.items() if k not in self.run_key_excluded}
 
+    def input_files(self) -> list[str]:
+        """Files the options name whose bytes determine the training (e.g. a reward file given to the
+        trainer in its own overrides): their sha256 is part of the stage's cache key and run key."""
+        return []
+
 
 @dataclass(frozen=True)
 class BackendRecord:

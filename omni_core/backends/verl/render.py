@@ -71,6 +71,7 @@ def render(training: VerlTraining, backend: VerlBackend, default_local_dir: str 
         raise ConfigError(f"trainer.default_local_dir {str(local_dir)!r} is relative: verl resolves it against "
                           "each worker's working directory; pass backend.run_dir(...) (under shared_dir)")
     _check_common(training)
+    backend = backend if backend.python is not None else backend.for_job()  # the job's interpreter (interpreter.py)
     if training.task == "sft":
         ours = _sft_overrides(training, backend, local_dir)
         module, config, argv0 = SFT_MODULE, SFT_CONFIG, [
@@ -223,7 +224,7 @@ def _ppo_overrides(t: VerlTraining, b: VerlBackend, local_dir: Path) -> list[str
     }
     if t.reward_file:
         values.update({"reward.custom_reward_function.path": t.reward_file,
-                       "reward.custom_reward_function.name": "compute_score"})
+                       "reward.custom_reward_function.name": t.reward_function})
     return _listed(t.task, b, values)
 
 

@@ -56,7 +56,7 @@ def validation_command(eval_stage: Any, trained: Any, *, pipeline: str, key: str
     backend = trained.backend
     try:
         cmd = render(training(trained, model=model, train_files=files, val_files=files, seed=seed, pipeline=pipeline),
-                     backend, backend.run_dir(pipeline, key, eval_stage.name))
+                     backend.for_job(), backend.run_dir(pipeline, key, eval_stage.name))
     except ConfigError as exc:
         raise ConfigError(f"stages.{trained.name}.{exc}") from None
     values: dict[str, Any] = {"trainer.resume_mode": "disable", "data.max_response_length": eval_stage.max_new_tokens,

@@ -39,6 +39,7 @@ from omni_core.lineage import log_dataset_version
 from omni_core.media_limits import MediaLimits, check_rows
 from omni_core.pipeline.stages import register_stage
 from omni_core.pipeline.stages.rl import dataset_for, input_dataset
+from omni_core.rewards.registry import custom_reward_file
 from omni_core.storage import file_sha256
 
 SAMPLES_TABLE = "eval_samples.json"
@@ -76,10 +77,7 @@ class _SourceContext:
 
 
 def reward_file(stage: EvalStage) -> Path | None:
-    if stage.reward is None:
-        return None
-    path, sep, _ = stage.reward.name.rpartition(":")
-    return Path(path) if sep and path.endswith(".py") and Path(path).is_file() else None
+    return custom_reward_file(stage.reward.name) if stage.reward is not None else None
 
 
 def eval_inputs(ctx: Any) -> dict[str, Any]:
