@@ -204,7 +204,7 @@ def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect
     elif prefect_home:
         console.print(f"open Prefect PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)")
     else:
-        console.print(f"open Prefect {os.environ.get('PREFECT_API_URL', '').removesuffix('/api')}")
+        console.print(f"open Prefect {summary.get('prefect_flow_run_url') or os.environ.get('PREFECT_API_URL', '').removesuffix('/api')}")
 
 
 HEADLINE_METRICS = ("val/reward_mean", "eval_rewards/accuracies")
