@@ -5,12 +5,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The verl backend's own environment (omni_core/backends/verl): the tests run verl's trainer and Hydra
-# configs in it, as the Ray Job's `python`. The project's .venv never imports verl. mlflow-skinny: verl's
-# logger needs MLflow's client only; the full `mlflow` package brings scikit-learn, which transformers
-# then imports in every process of a verl job (~1 CPU s each).
+# configs in it, as the Ray Job's `python`. The project's .venv never imports verl. No MLflow: verl's jobs
+# log through verl's file logger, which the driver relays into MLflow (omni_core/backends/jobs/metrics.py).
 VERL_VENV := .venv-verl
 VERL_STAMP := $(VERL_VENV)/.installed
-VERL_REQUIREMENTS := "verl[verl-core]==0.9.1" "mlflow-skinny>=3.1,<4"
+VERL_REQUIREMENTS := "verl[verl-core]==0.9.1"
 # Every other package at the version the tests last passed with (`make lock` writes them): pyproject and
 # verl name ranges, and a freshly set-up machine gave the seeded verl e2e other numbers (its GRPO gain
 # -0.07 instead of +0.009; package versions are one cause the locks remove, the CPU's own kernels another

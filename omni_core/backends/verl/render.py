@@ -35,7 +35,7 @@ SFT_MODULE = "verl.trainer.sft_trainer"
 PPO_MODULE = "verl.trainer.main_ppo"
 SFT_CONFIG = "sft_trainer_engine"
 PPO_CONFIG = "ppo_trainer"
-LOGGERS = ["console", "mlflow"]
+LOGGERS = ["console", "file"]  # verl's file logger: the driver relays it into MLflow (jobs.metrics)
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 RL_DEFAULTS = {"ppo_epochs": 1, "rollout_n": 4, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512,
                "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "loss_agg_mode": "token-mean", "kl_beta": 0.0,

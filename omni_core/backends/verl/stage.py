@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from omni_core.backends.jobs.export import planned_model_path, staged_reward_path
-from omni_core.backends.jobs.job import describe_env, runtime_env, submission_id
+from omni_core.backends.jobs.job import command_digest, describe_env, runtime_env, submission_id
+from omni_core.backends.jobs.metrics import metrics_file
 from omni_core.backends.verl.cpu import cpu_problem
 from omni_core.backends.verl.options import VerlBackend, VerlTraining
 from omni_core.backends.verl.render import VerlCommand, render
@@ -191,12 +192,13 @@ def plan(stage: Any, *, pipeline: str, seed: int, dataset: str, split: str, vers
     files = [str(folder / f"{split}-{i:05d}.parquet") for i in range(shard_count or 1)]
     model = planned_model_path(model_uri, backend.shared_dir, seed) if "<" not in model_uri else model_uri
     cmd = command(stage, pipeline=pipeline, run_key=key, model=model, train_files=files, seed=seed)
-    env = runtime_env(cmd, tracking_uri=tracking_uri, mlflow_run_id="<the stage's MLflow child run>")
+    job_id = submission_id(pipeline, stage.name, key, command_digest(cmd))
+    env = runtime_env(cmd, metrics_file=metrics_file(Path(cmd.default_local_dir) / "metrics", job_id))
     return {
         "backend": "verl",
         "task": cmd.task,
         "ray_address": ray_address,
-        "submission_id": submission_id(pipeline, stage.name, key),
+        "submission_id": job_id,
         "entrypoint": cmd.entrypoint,
         "overrides": cmd.overrides,
         "runtime_env": describe_env(env),

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from omni_core.backends.verl_omni.catalog import Recipe, get_recipe
 from omni_core.errors import ConfigError
 
-LOGGER = '["console","mlflow"]'
+LOGGER = '["console","file"]'  # verl's file logger: the driver relays it into MLflow (jobs.metrics)
 VERL_OMNI_ROOT = "/opt/venv/lib/python3.12/site-packages"  # where the CUDA image's pip puts verl_omni/
 VERL_OMNI_EXAMPLES = "/opt/verl-omni/examples"  # a recipe's non-package file (BAGEL's deploy config)
 
