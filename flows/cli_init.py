@@ -37,8 +37,8 @@ ABOUT = {
     Template.mpo: ("preference pairs: MPO (sigmoid + BCO-pair + SFT); eval on held-out pairs; register", None),
     Template.flow_grpo: ("diffusion: FlowGRPO on a text-to-image model with your image reward; eval grid; register",
                          "reward_image.py"),
-    Template.verl: ("verl as the trainer: SFT then GRPO as Ray Jobs (device: cpu on one machine); eval; register",
-                    None),
+    Template.verl: ("verl as the trainer: SFT then GRPO with your reward as Ray Jobs (device: cpu on one machine); "
+                    "eval; register", "reward_text.py"),
 }
 
 
@@ -91,6 +91,5 @@ def init_command(
     pipeline = directory / "pipeline.yaml"
     console.print(f"{template.value}: {ABOUT[template][0]}")
     if template is Template.verl:
-        console.print("needs a Ray job server (ray start --head --num-cpus 8) and an MLflow server (mlflow server "
-                      "--host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///.omni/mlflow.db)")
+        console.print("needs a Ray job server: ray start --head --num-cpus 8")
     console.print(f"next: omni validate {pipeline} && omni run {pipeline}")

@@ -30,11 +30,11 @@ def test_each_template_writes_a_pipeline_that_validates(template: str, in_tmp: P
     assert config.name == "proj"
     text = (in_tmp / "proj" / "pipeline.yaml").read_text()
     assert "__" not in text  # every placeholder filled in
-    if template in ("grpo", "flow_grpo"):  # the reward stub, named as omni run resolves it from here
+    if template in ("grpo", "flow_grpo", "verl"):  # the reward stub, named as omni run resolves it from here
         spec = next(s for s in config.stages if s.kind == "rl").reward.name
         assert spec == "proj/reward.py:compute_score"
         reward = get_reward(spec)
-        if template == "grpo":
+        if template in ("grpo", "verl"):
             assert reward("openai/gsm8k", "so 3 + 4 = 7", "7") == 1.0
             assert reward("openai/gsm8k", "8", "7") == 0.1 and reward("openai/gsm8k", "no idea", "7") == 0.0
         else:
