@@ -50,6 +50,7 @@ from verl_jobs import (  # noqa: F401 - the job-path tests, collected here: they
 )
 
 from omni_core.backends.jobs.job import STEP_LINE
+from omni_core.backends.jobs.metrics import MetricsMissing
 from omni_core.backends.verl.stage import REWARD_FILES
 from omni_core.config import validate_pipeline
 from omni_core.storage import Store
@@ -486,23 +487,27 @@ def stores_on_one_cluster(ray_jobs, tmp_path_factory, mlflow_db):  # noqa: F811
     and `prod` with shared paths of their own, then `beside`, another store on dev's shared path."""
     root = tmp_path_factory.mktemp("stores")
 
-    def config(store: str, shared: str):
+    def config(store: str, shared: str, steps: int = 3, overrides: tuple[str, ...] = ()):
         return validate_pipeline({
             "name": "laptop", "store": str(root / store / "store"), "tracking_uri": mlflow_db(root / store / "mlflow.db"),
             "ray": {"address": ray_jobs.get_address()}, "datasets": DIGITS,
             "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
                        {"name": "sft", "kind": "sft", "after": ["ingest"], "model": "tiny://lm", "data": "digits:train",
                         "algorithm": {"name": "sft", "response": "ground_truth"},
-                        "trainer": {"total_steps": 3, "batch_size": 8, "lr": 1e-3},
+                        "trainer": {"total_steps": steps, "batch_size": 8, "lr": 1e-3},
                         "backend": {"name": "verl", "shared_dir": str(root / shared), "device": "cpu",
-                                    "overrides": ["data.max_length=128", "data.micro_batch_size_per_gpu=8"]}}]})
+                                    "overrides": ["data.max_length=128", "data.micro_batch_size_per_gpu=8",
+                                                  *overrides]}}]})
 
     runs = {}
     for name, store, shared in (("dev", "dev", "shared-dev"), ("prod", "prod", "shared-prod"),
                                 ("beside", "beside", "shared-dev")):
         lines: list[str] = []
         runs[name] = (run_in_order(config(store, shared), progress=lines.append), lines)
-    return runs
+    # and a job that trains but logs nothing: verl's loggers overridden to the console only
+    with pytest.raises(MetricsMissing) as quiet:
+        run_in_order(config("quiet", "shared-quiet", steps=1, overrides=("trainer.logger=[console]",)))
+    return {**runs, "quiet": quiet.value}
 
 
 def test_each_store_trains_its_own_job_and_its_metrics_land_in_its_sqlite_run(stores_on_one_cluster, ray_jobs):  # noqa: F811
@@ -511,7 +516,7 @@ def test_each_store_trains_its_own_job_and_its_metrics_land_in_its_sqlite_run(st
     finished one. A store on dev's shared path renders dev's very command: it follows dev's finished job
     (the same training), mirrors its checkpoints into its own store and relays its metrics into its own
     run. Every run's `train/loss` is in its sqlite MLflow run."""
-    outcomes = {name: run.outcomes["sft"] for name, (run, _) in stores_on_one_cluster.items()}
+    outcomes = {name: stores_on_one_cluster[name][0].outcomes["sft"] for name in ("dev", "prod", "beside")}
     keys = {o.outputs["run_key"] for o in outcomes.values()}
     assert len(keys) == 1  # one training, by the run key
     jobs = {}
@@ -526,7 +531,18 @@ def test_each_store_trains_its_own_job_and_its_metrics_land_in_its_sqlite_run(st
     assert jobs["dev"] != jobs["prod"]  # its own job
     assert jobs["beside"] == jobs["dev"]  # the same command: the same job, found finished
     assert any(f"Ray Job {jobs['dev']} (SUCCEEDED)" in line for line in stores_on_one_cluster["beside"][1])
-    submitted = [j.submission_id for j in ray_jobs.list_jobs() if (j.submission_id or "").startswith("omni-verl-laptop-sft-")]
+    [key] = keys
+    submitted = [j.submission_id for j in ray_jobs.list_jobs()
+                 if (j.submission_id or "").startswith(f"omni-verl-laptop-sft-{key}-")]
     assert sorted(submitted) == sorted({jobs["dev"], jobs["prod"]})
     weights = {name: o.outputs["weights_sha256"] for name, o in outcomes.items()}
     assert weights["dev"] == weights["prod"] == weights["beside"]  # seeded: one training, one result
+
+
+def test_a_job_that_logged_no_metric_fails_its_stage(stores_on_one_cluster):
+    """verl's own loggers overridden to the console: the job trains and succeeds, but the stage's run got
+    none of sft's `train/loss`, which is an error naming the metric and the file, not a silent pass."""
+    message = str(stores_on_one_cluster["quiet"])
+    assert "stage sft: verl job omni-verl-laptop-sft-" in message and "succeeded, but its MLflow run received none of " \
+        "train/loss" in message, message
+    assert "keep 'file' in trainer.logger" in message
