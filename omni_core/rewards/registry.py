@@ -80,6 +80,13 @@ def reward_for_data_source(data_source: str) -> RewardFn:
         raise ConfigError(f"no reward registered for data_source {data_source!r}; {_known()}") from None
 
 
+def custom_reward_file(spec: str | None) -> Path | None:
+    """The file of a custom `path/to/file.py:function` reward when it exists (its bytes key the stages
+    that use it), else None."""
+    path, sep, _ = (spec or "").rpartition(":")
+    return Path(path).expanduser() if sep and path.endswith(".py") and Path(path).expanduser().is_file() else None
+
+
 def get_reward(spec: str) -> RewardFn:
     """The reward function for a registered name, a data_source, or `path/to/file.py:function`."""
     if spec in _BY_NAME:
