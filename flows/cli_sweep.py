@@ -24,9 +24,11 @@ console = Console(highlight=False, soft_wrap=True)
 class _RunByDefault(TyperGroup):
     """`omni sweep FILE ...` is `omni sweep run FILE ...`; `omni sweep status` is the status command."""
 
+    default_command = "run"
+
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
-            args = ["run", *args]
+            args = [self.default_command, *args]
         return super().parse_args(ctx, args)
 
 
