@@ -52,7 +52,7 @@ def plan_summary(plan: SweepPlan) -> dict[str, Any]:
         "metric": plan.metric, "goal": plan.goal, "select_stage": plan.select_stage, "report_stage": plan.report_stage,
         "shared": plan.shared, "per_variant": plan.per_variant, "register": plan.register,
         "n_variants": plan.n_variants, "store": plan.config.store, "tracking_uri": plan.config.tracking_uri,
-        "spec_digest": config_digest(plan.spec.dump())[:16],
+        "spec_digest": config_digest(plan.spec.dump())[:16], "defaults": current_values(plan),
         "asha": None if asha is None else {
             "stage": asha.stage, "metric": asha.metric, "goal": asha.goal, "min_steps": asha.min_steps,
             "eta": asha.eta, "smooth": asha.smooth, "mode": asha.mode,
@@ -169,8 +169,6 @@ def publish(state: SweepState, tracker: Tracker, run_id: str, registered: dict[s
 def run_sweep(plan: SweepPlan, launcher: Launcher, *, max_concurrent: int, progress: Progress = print,
               poll_s: float = 1.0) -> SweepResult:
     state = open_state(plan)
-    if "defaults" not in state.spec:
-        state.spec["defaults"] = current_values(plan)
     tracker = Tracker(plan.config.tracking_uri)
     run_id = sweep_run(tracker, plan, state)
     controller = SweepController(plan, state, launcher, tracker, max_concurrent=max_concurrent, sweep_run_id=run_id,
