@@ -86,8 +86,8 @@ def run_command(
     from flows.sweep import sweep
 
     quiet_prefect_tracebacks()
-    prefect_ui = api_ready()
-    if prefect_ui is None:
+    local_server = api_ready()
+    if local_server is None:
         start_embedded_prefect_once(prefect_home)
     started = time.perf_counter()
     # a thread per variant running (each waits on its process; how many run at once is settled in the flow,
@@ -95,7 +95,8 @@ def run_command(
     runner = ThreadPoolTaskRunner(max_workers=min(plan.n_variants, plan.spec.max_concurrent or plan.n_variants) + 2)
     outcome = sweep.with_options(task_runner=runner, flow_run_name=f"sweep-{plan.spec.name}")(
         pipeline_file=str(pipeline_file), sweep_file=str(sweep_file), overrides=list(overrides or []), poll_s=poll_s)
-    print_outcome(outcome, time.perf_counter() - started, prefect_ui)
+    print_outcome(outcome, time.perf_counter() - started, outcome.get("prefect_flow_run_url")
+                  or (local_server.url if local_server else None))
 
 
 def print_outcome(outcome: dict[str, Any], seconds: float, prefect_ui: str | None) -> None:

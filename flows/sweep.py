@@ -25,6 +25,7 @@ from prefect.context import TaskRunContext
 from prefect.states import Cancelled, Failed
 from prefect.utilities.annotations import quote
 
+from flows.pipeline import _flow_run_url
 from omni_core.config.loader import set_path
 from omni_core.errors import OmniError
 from omni_core.file_lock import file_lock
@@ -193,7 +194,7 @@ def sweep(pipeline_file: str, sweep_file: str, overrides: list[str] | None = Non
     publish_artifacts(result)
     return {"name": plan.spec.name, "headline": result.headline, "rows": result.rows, "registered": result.registered,
             "report_uri": result.report_uri, "mlflow_run_id": result.sweep_run_id, "tracking_uri": plan.config.tracking_uri,
-            "spec": result.spec}
+            "spec": result.spec, "prefect_flow_run_url": _flow_run_url()}
 
 
 def publish_artifacts(result: SweepResult) -> None:
