@@ -4,8 +4,8 @@ cost per variant.
     python bench/sweep.py [--quick] [--json] [--only demo|controller]
 
 1. `demo`: in a fresh directory, `omni sweep configs/demo.yaml configs/sweep_demo.yaml` (8 variants,
-   ASHA on, two at once on the sweep's one Ray), then the same 8 variants one after another, each an
-   `omni run configs/demo.yaml <its overrides>` in a fresh directory (a fresh store and MLflow
+   ASHA on, two at once on the sweep's one Ray), and the same 8 variants one after another (half before
+   the sweep, half after), each an `omni run configs/demo.yaml <its overrides>` in a fresh directory (a fresh store and MLflow
    database: every stage runs). Wall seconds and CPU seconds (the whole process tree, Ray's workers
    included, sampled) of each side; target: sweep / sequential <= 0.5 (wall).
    Also the sweep's best variant against the variant with the demo's own settings, on the held-out eval.
@@ -116,24 +116,37 @@ def demo_figures(folder: Path, env: dict[str, str], quick: bool) -> dict[str, An
         sweep["report_on"] = {**sweep["report_on"], "max_rows": 16}
         sweep.pop("early_terminate")
     (folder / "sweep.yaml").write_text(yaml.safe_dump(sweep))
+    sweep_args = [str(DEMO), str(folder / "sweep.yaml"), *overrides]
+    planned = subprocess.run(omni("sweep", *sweep_args, "--dry-run", "--json"), cwd=folder, env=env, capture_output=True,
+                             text=True, timeout=300)
+    if planned.returncode != 0:
+        raise SystemExit(f"the sweep's dry run failed:\n{planned.stderr[-3000:]}")
+    variants = json.loads(planned.stdout)["variants"]
+    sequential: dict[str, Any] = {"wall_s": 0.0, "cpu_s": 0.0, "runs": []}
+
+    def one_after_another(chunk: list[dict[str, Any]]) -> None:
+        for variant in chunk:  # the same variants, one after another, each with a fresh store
+            run_dir = folder / f"seq-{variant['label']}"
+            run_dir.mkdir()
+            done = timed(omni("run", str(DEMO), *overrides, *variant["overrides"]), run_dir, env)
+            sequential["wall_s"] += done["wall_s"]
+            sequential["cpu_s"] += done["cpu_s"]
+            sequential["runs"].append(done["wall_s"])
+            print(f"omni run {variant['label']} ({' '.join(variant['overrides'])}): {done['wall_s']} s wall, "
+                  f"{done['cpu_s']} CPU s", flush=True)
+
+    # half of the runs before the sweep and half after: a load that drifts meanwhile weighs on both sides
+    half = len(variants) // 2
+    one_after_another(variants[:half])
     work = folder / "sweep"
     work.mkdir()
     print(f"sweep of the demo ({'quick' if quick else 'as shipped'}) ...", flush=True)
-    swept = timed(omni("sweep", str(DEMO), str(folder / "sweep.yaml"), *overrides), work, env)
+    swept = timed(omni("sweep", *sweep_args), work, env)
     print(swept["output"][-2500:], flush=True)
+    one_after_another(variants[half:])
     [spec] = (work / ".omni" / "store" / "sweeps").glob("*/*/*/spec.json")
     table = json.loads((spec.parent / "report" / "comparison.json").read_text())
     records = table["records"]
-    sequential = {"wall_s": 0.0, "cpu_s": 0.0, "runs": []}
-    for record in records:  # the same variants, one after another, each with a fresh store
-        run_dir = folder / f"seq-{record['label']}"
-        run_dir.mkdir()
-        done = timed(omni("run", str(DEMO), *overrides, *record["overrides"]), run_dir, env)
-        sequential["wall_s"] += done["wall_s"]
-        sequential["cpu_s"] += done["cpu_s"]
-        sequential["runs"].append(done["wall_s"])
-        print(f"omni run {record['label']} ({' '.join(record['overrides'])}): {done['wall_s']} s wall, "
-              f"{done['cpu_s']} CPU s", flush=True)
     default = next((r for r in table["rows"] if r.get("note")), None)
     best = table["headline"]["best"]
     return {
