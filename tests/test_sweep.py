@@ -157,6 +157,25 @@ def test_asha_stops_below_the_quantile_of_earlier_values() -> None:
     assert rungs.decide(5, 2, 0.4).keep is False  # below the median of 0.1 and 0.9 is 0.5
 
 
+def test_the_comparison_ranks_settings_by_their_mean_over_seeds() -> None:
+    from omni_core.sweep.report import headline, rows
+
+    spec = {"parameters": {"lr": {}}, "select_stage": "eval", "report_stage": "eval_report", "seeds": [0, 1]}
+    done = {"status": "completed"}
+    records = [{"index": 0, "setting": 0, "seed": 0, "label": "v000", "params": {"lr": 1}, **done, "select": 0.5, "report": 0.4},
+               {"index": 1, "setting": 0, "seed": 1, "label": "v001", "params": {"lr": 1}, **done, "select": 0.7, "report": 0.6},
+               {"index": 2, "setting": 1, "seed": 0, "label": "v002", "params": {"lr": 2}, "status": "pruned",
+                "pruned": {"step": 2}},
+               {"index": 3, "setting": 1, "seed": 1, "label": "v003", "params": {"lr": 2}, **done, "select": 0.9, "report": 0.9}]
+    table = rows(spec, records, "maximize", defaults={"lr": 2})
+    assert [(r["variant"], r["rank"], r["status"]) for r in table] == [
+        ("v000", 1, "completed"), ("v001", 1, "completed"), ("v002", "", "pruned@2"), ("v003", "", "completed")]
+    assert table[0]["eval mean"] == 0.6 and table[0]["eval std"] == pytest.approx(0.141421)
+    assert table[3].get("note") == "the pipeline's own settings"  # a setting with a pruned seed is not ranked
+    best = headline(spec, records, "maximize")["best"]
+    assert (best["variant"], best["select"], best["report"], best["seeds"]) == ("v001", 0.6, 0.5, 2)  # its best seed
+
+
 # ---- the sweep, on real components (slow) -------------------------------------------------------------
 
 

@@ -84,6 +84,10 @@ def rows(spec: dict[str, Any], records: list[dict[str, Any]], goal: str,
             row[f"{select}"] = _round(record.get("select"))
             if report != select:
                 row[f"{report}"] = _round(record.get("report"))
+            if len(spec["seeds"]) > 1:  # the setting's mean and spread over its seeds, on each of its rows
+                row[f"{select} mean"], row[f"{select} std"] = _round(setting.select), _round(setting.select_std)
+                if report != select:
+                    row[f"{report} mean"], row[f"{report} std"] = _round(setting.report), _round(setting.report_std)
             row["steps"] = record.get("steps") or ""
             row["wall_s"] = record.get("wall_s") or ""
             if defaults is not None and all(record["params"][k] == defaults.get(k) for k in keys):
