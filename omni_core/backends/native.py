@@ -8,7 +8,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from omni_core.backends import PlannedTraining, TrainingRun
+from omni_core.backends import PlannedTraining, PrecheckResult, TrainingRun
 from omni_core.config.backends import DEFAULT_BACKEND, BackendRecord, register_backend
 from omni_core.errors import ConfigError
 
@@ -60,6 +60,9 @@ class NativeBackend:
 
     def check(self, stage: Any, config: Any) -> str | None:
         return None  # the algorithm's own checks (omni_core.config.models) are all a native stage needs
+
+    def precheck(self, config: Any) -> list[PrecheckResult]:
+        return []  # nothing outside the config to ask
 
     def plan(self, planned: PlannedTraining) -> dict[str, Any]:
         stage, config = planned.stage, planned.config

@@ -98,7 +98,10 @@ def parse_backend(value: Any) -> Any:
             raise ValueError(f"{value!r} is not a backend; use one of {known}")
         record = _BACKENDS[value]
         if record.options is not None:
-            raise ValueError(f"backend: {value} needs its options: {record.usage}")
+            try:  # options that all have defaults: the bare name is enough
+                return record.options.model_validate({"name": value})
+            except ValidationError:
+                raise ValueError(f"backend: {value} needs its options: {record.usage}") from None
         return value
     if not isinstance(value, dict):
         raise ValueError(f"must be a backend name or a mapping with name: (one of {known})")
