@@ -94,6 +94,7 @@ def render(stage: Any, seed: int) -> Rendered:
         "lr_scheduler_type": "constant", "warmup_steps": 0,  # our trainers' schedule
         "seed": seed, "data_seed": seed,
         "gradient_checkpointing": False,  # TRL's default is on: ~20% slower, and our trainers do not
+        "ddp_find_unused_parameters": False,  # every parameter takes part (else DDP walks the graph each step)
         "bf16": None if stage.backend.use_gpu else False,  # TRL turns bf16 on by default (on a CPU too)
     }
     algo = stage.algorithm
