@@ -36,6 +36,9 @@ class BackendOptions(BaseModel):
     decides_stage_keys: ClassVar[bool] = False
     # a stage that does not set `model:` trains the backend's own model (a recipe's)
     brings_model: ClassVar[bool] = False
+    # its final checkpoint is the stage's own model, trained (not a recipe's): a preference eval scores it
+    # against the stage's starting model as it scores a native stage's
+    trains_stage_model: ClassVar[bool] = False
 
     def dump_stage(self, stage: Any, data: dict[str, Any]) -> dict[str, Any]:
         """The stage's dump (and so its digest and run key) under this backend; as is by default."""

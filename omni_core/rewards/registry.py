@@ -92,6 +92,12 @@ def get_reward(spec: str) -> RewardFn:
     raise ConfigError(f"unknown reward {spec!r}; {_known()}; or give a custom reward as 'path/to/file.py:function'")
 
 
+def custom_reward_file(spec: str) -> Path | None:
+    """The file of a custom `path.py:function` reward spec when it exists (its bytes key what it trains), else None."""
+    path, sep, _ = spec.rpartition(":")
+    return Path(path).expanduser() if sep and path.endswith(".py") and Path(path).expanduser().is_file() else None
+
+
 def _load_custom(path: Path, func: str, spec: str) -> RewardFn:
     if not path.is_file():
         raise ConfigError(f"custom reward {spec!r}: file {path} does not exist; fix the path")

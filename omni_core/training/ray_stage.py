@@ -26,7 +26,7 @@ from omni_core.config.models import (
 from omni_core.data.ingest import read_rows
 from omni_core.errors import DataError
 from omni_core.media_limits import MediaLimits, check_rows
-from omni_core.storage import Store
+from omni_core.storage import Store, file_sha256
 from omni_core.training.checkpoint import latest_checkpoint, stage_prefix, weights_digest
 from omni_core.training.ray_env import init_ray, is_local
 from omni_core.training.runner import StageRun, StageRunner
@@ -45,14 +45,20 @@ class RLStageResult:
 
 def run_key_payload(stage: RLStage, seed: int, dataset_version: str) -> dict[str, Any]:
     """What determines the trained weights: the stage without the keys that only change how it runs
-    (`RUN_KEY_EXCLUDED`: resources, checkpoint cadence, restarts), the seed and the dataset version."""
+    (`RUN_KEY_EXCLUDED`: resources, checkpoint cadence, restarts), the seed, the dataset version, and the
+    bytes of a custom reward file (the same path with other code trains other weights)."""
+    from omni_core.rewards.registry import custom_reward_file
+
     spec = stage.model_dump(mode="json", exclude=set(RUN_KEY_EXCLUDED))
     spec["execution"] = {k: v for k, v in spec["execution"].items() if k not in RUN_KEY_EXCLUDED_EXECUTION}
     if isinstance(spec.get("model"), dict):  # `model: {from: STAGE}`: the upstream weights' digest, not where they are
         spec["model"] = {k: v for k, v in spec["model"].items() if k != "uri"}
     if isinstance(spec.get("backend"), dict):  # the backend's rules: where it runs (interpreter, shared path, env) is out
         spec["backend"] = stage.backend.run_key_options(spec["backend"])
-    return {"stage": spec, "seed": seed, "dataset_version": dataset_version}
+    payload = {"stage": spec, "seed": seed, "dataset_version": dataset_version}
+    if "reward" in spec and (path := custom_reward_file(spec["reward"]["name"])) is not None:
+        payload["reward_file_sha256"] = file_sha256(path)
+    return payload
 
 
 def rl_run_key(stage: RLStage, seed: int, dataset_version: str) -> str:

@@ -19,6 +19,7 @@ class TrlBackend(BackendOptions):
     # where it runs, not what it trains: the weights depend on the world size, the device and the
     # threads (trl's seeds are per rank; intra-op reductions split by thread), never on the Ray resources
     run_key_excluded: ClassVar[frozenset[str]] = frozenset({"resources_per_worker"})
+    trains_stage_model: ClassVar[bool] = True
 
     name: Literal["trl"] = Field("trl", description="Backend trl: TRL's own trainers on Ray Train.")
     num_workers: int = Field(1, ge=1, description="Ray Train workers, one data-parallel (DDP) group; the world "

@@ -59,14 +59,14 @@ def trl_reward(spec: str | None) -> Callable[..., list[float]]:
 
 def shipped_reward(spec: str | None) -> dict[str, Any] | None:
     """A custom `path.py:function` reward as plain data for the workers: its file's name, bytes and function."""
-    if spec is None:
+    from omni_core.rewards.registry import custom_reward_file
+
+    file = None if spec is None else custom_reward_file(spec)
+    if file is None:
+        if spec is not None and spec.rpartition(":")[0].endswith(".py"):
+            raise ConfigError(f"custom reward {spec!r}: its file does not exist; fix the path")
         return None
-    path, sep, function = spec.rpartition(":")
-    if not (sep and path.endswith(".py")):
-        return None
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ConfigError(f"custom reward {spec!r}: file {file} does not exist; fix the path")
+    function = spec.rpartition(":")[2]  # type: ignore[union-attr]
     data = file.read_bytes()
     return {"name": file.name, "bytes": data, "function": function, "sha256": hashlib.sha256(data).hexdigest()}
 

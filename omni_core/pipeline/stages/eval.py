@@ -76,10 +76,9 @@ class _SourceContext:
 
 
 def reward_file(stage: EvalStage) -> Path | None:
-    if stage.reward is None:
-        return None
-    path, sep, _ = stage.reward.name.rpartition(":")
-    return Path(path) if sep and path.endswith(".py") and Path(path).is_file() else None
+    from omni_core.rewards.registry import custom_reward_file
+
+    return None if stage.reward is None else custom_reward_file(stage.reward.name)
 
 
 def eval_inputs(ctx: Any) -> dict[str, Any]:

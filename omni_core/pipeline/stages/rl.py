@@ -60,10 +60,11 @@ def input_dataset(ctx: Any) -> tuple[str, str, DatasetVersion]:
 
 def reward_file(stage: RLStage) -> Path | None:
     """The file of a custom `path.py:function` reward the algorithm uses, if any."""
+    from omni_core.rewards.registry import custom_reward_file
+
     if "reward" not in stage.model_dump(mode="json"):
         return None
-    path, sep, _ = stage.reward.name.rpartition(":")
-    return Path(path) if sep and path.endswith(".py") and Path(path).is_file() else None
+    return custom_reward_file(stage.reward.name)
 
 
 def resolved_stage(ctx: Any) -> RLStage:
