@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import asdict
 from typing import Any
@@ -75,8 +76,10 @@ def run_trl(run: TrainingRun) -> Any:
     ctx.progress(f"stage {stage.name}: TRL's {job.trainer} on Ray Train, {backend.num_workers} "
                  f"{'GPU' if backend.use_gpu else 'CPU'} worker(s), {total} step(s) (run key {run.run_key}, "
                  f"Ray Train run {job.ray_run})")
+    fit_started = time.time()
     with _progress(run, job.trainer):
         _fit(stage, job)
+    _log_start_seconds(ctx, fit_started, total)
     final = latest_checkpoint(ctx.store, root)
     if final is None or final.get("model_format") != FINAL_FORMAT or final["global_step"] < total:
         raise TrlTrainingError(f"stage {stage.name}: Ray Train run {job.ray_run} ended without the final "
@@ -145,6 +148,17 @@ def _cause(stage: Any, job: Any, exc: Exception) -> Exception:
     return TrlTrainingError(f"stage {stage.name}: Ray Train run {job.ray_run} failed (its worker group restarted "
                             f"at most {stage.execution.max_failures} time(s), execution.max_failures): "
                             f"{first[-1] if first else type(exc).__name__}")
+
+
+def _log_start_seconds(ctx: Any, fit_started: float, step: int) -> None:
+    """`trl/start_s`: from `fit()` to the (last) worker group's start (Ray Train's controller, the workers'
+    processes and their imports), beside the workers' own `trl/*_s`."""
+    if not ctx.mlflow_run_id:
+        return
+    started = ctx.tracker.client.get_run(ctx.mlflow_run_id).data.tags.get("omni.trl.worker_started_at")
+    if started:
+        ctx.tracker.log_metrics(ctx.mlflow_run_id, {"trl/start_s": float(started) - fit_started}, step=step,
+                                timestamp_ms=int(time.time() * 1000))
 
 
 def _restarts(ctx: Any) -> int:

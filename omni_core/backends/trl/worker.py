@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,22 +91,37 @@ class Worker:
 
         self.job, self.rank, self.world, self.tmp = job, rank, world, tmp
         self.store = Store(job.store_root)
+        self.started = time.time()
+        # the backend's own seconds around TRL's steps (rank 0's), logged at the end: `trl/{name}_s`
+        self.seconds = {"setup": 0.0, "data": 0.0, "restore": 0.0, "checkpoint": 0.0, "final_commit": 0.0}
+
+    @contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
 
     def run(self) -> None:
         from omni_core.backends.trl.checkpoints import restore, resume_point
         from omni_core.config.models import CheckpointConfig
 
         job = self.job
-        manifest = resume_point(self.store, job.stage_root, CheckpointConfig.model_validate(job.checkpoint),
-                                config_digest=job.config_digest, ray_run=job.ray_run)
-        trainer = self.build_trainer(resumed=manifest["global_step"] if manifest else 0)
-        self.tag_start(manifest)
+        with self.timed("setup"):
+            manifest = resume_point(self.store, job.stage_root, CheckpointConfig.model_validate(job.checkpoint),
+                                    config_digest=job.config_digest, ray_run=job.ray_run)
+            trainer = self.build_trainer(resumed=manifest["global_step"] if manifest else 0)
+            self.tag_start(manifest)
         if manifest is not None:
-            folder = restore(self.store, manifest, self.tmp / "restored")
+            with self.timed("restore"):
+                folder = restore(self.store, manifest, self.tmp / "restored")
             trainer.train(resume_from_checkpoint=str(folder))
         else:
             trainer.train()
-        self.commit_final(trainer)
+        with self.timed("final_commit"):
+            self.commit_final(trainer)
+        self.log({f"trl/{name}_s": value for name, value in self.seconds.items()}, trainer.state.global_step)
 
     def build_trainer(self, resumed: int) -> Any:
         import trl
@@ -116,7 +133,8 @@ class Worker:
 
         job = self.job
         model_dir = model_source(job.model_uri, job.seed)
-        dataset, _ = trl_dataset(self.store, job.shard_keys, job.algorithm, model_dir, response=job.response)
+        with self.timed("data"):
+            dataset, _ = trl_dataset(self.store, job.shard_keys, job.algorithm, model_dir, response=job.response)
         config_class = getattr(trl, job.trainer.replace("Trainer", "Config"))
         save_freq = int(job.checkpoint.get("save_freq") or 0)
         args = config_class(
@@ -165,7 +183,7 @@ class Worker:
         starts = int(client.get_run(self.job.run_id).data.tags.get("omni.trl.worker_group_starts", "0")) + 1
         tags = {f"omni.{name}.version": version(name) for name in ("trl", "transformers", "accelerate", "torch")}
         tags.update({"omni.trl.world_size": str(self.world), "omni.trl.num_threads": str(self.job.num_threads),
-                     "omni.trl.worker_group_starts": str(starts)})
+                     "omni.trl.worker_group_starts": str(starts), "omni.trl.worker_started_at": f"{self.started:.3f}"})
         if resumed is not None:
             tags.update({"omni.resumed_from": resumed["uri"], "omni.resumed_from_step": str(resumed["global_step"])})
         for key, value in tags.items():
@@ -203,8 +221,9 @@ class Worker:
             return out
 
         folder = self.tmp / "output" / f"checkpoint-{step}"
-        commit(self.store, self.job.stage_root, step, folder, rank=self.rank, gather=gather,
-               metadata=self.metadata(metrics), keep=self.job.checkpoint.get("max_to_keep"))
+        with self.timed("checkpoint"):
+            commit(self.store, self.job.stage_root, step, folder, rank=self.rank, gather=gather,
+                   metadata=self.metadata(metrics), keep=self.job.checkpoint.get("max_to_keep"))
 
     def metadata(self, metrics: dict[str, float]) -> dict[str, Any]:
         return {**self.job.metadata, "config_digest": self.job.config_digest, "ray_train_run": self.job.ray_run,
