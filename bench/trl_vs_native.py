@@ -114,21 +114,10 @@ def run_backend(label: str, work: Path, sft_checkpoint: str, steps: int) -> dict
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    from curves import plot_curves
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, figures in results.items():
-        curve = figures["reward_curve"]
-        ax.plot(range(1, len(curve) + 1), curve, marker="o", label=label)
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("mean reward of the step's batch")
-    ax.set_title("digits, tiny://lm: native vs TRL's GRPOTrainer")
-    ax.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plot_curves({label: figures["reward_curve"] for label, figures in results.items()}, path, xlabel="GRPO step",
+                ylabel="mean reward of the step's batch", title="digits, tiny://lm: native vs TRL's GRPOTrainer")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

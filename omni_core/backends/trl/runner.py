@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 import uuid
 from dataclasses import asdict
@@ -68,6 +70,10 @@ def run_trl(run: TrainingRun) -> Any:
 
     if problem := placement_problem(stage, ray.nodes(), ctx.config.ray.address):
         raise ConfigError(problem)
+    if stage.model_uri.startswith("tiny://"):  # built once here, not by each worker of this node at once
+        from omni_core.models.factory import model_source
+
+        model_source(stage.model_uri, ctx.config.seed)
     job = worker_job(run, root)
     if ctx.mlflow_run_id:
         ctx.tracker.set_tags(ctx.mlflow_run_id, {"omni.backend": "trl", "omni.trl.ray_train_run": job.ray_run,
@@ -131,10 +137,15 @@ def _fit(stage: Any, job: Any) -> None:
         torch_config=TorchConfig(backend="nccl" if backend.use_gpu else "gloo"),
         run_config=RunConfig(name=job.ray_run, storage_path=str(cache_dir("ray-train")),
                              failure_config=FailureConfig(max_failures=stage.execution.max_failures)))
+    main = threading.current_thread() is threading.main_thread()
+    sigint = signal.getsignal(signal.SIGINT) if main else None
     try:
         trainer.fit()
     except Exception as exc:  # Ray Train's WorkerGroupError / ControllerError
         raise _cause(stage, job, exc) from exc
+    finally:
+        if main:  # fit() installs its own Ctrl-C handler (abort that run) and leaves it behind
+            signal.signal(signal.SIGINT, sigint)
 
 
 def _cause(stage: Any, job: Any, exc: Exception) -> Exception:

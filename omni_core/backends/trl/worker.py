@@ -11,6 +11,8 @@ file's bytes), the MLflow run.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -68,6 +70,19 @@ def train_func(job: WorkerJob) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     with tempfile.TemporaryDirectory(prefix=f"omni-trl-{job.stage}-rank{rank}-") as tmp:
         Worker(job, rank, world, Path(tmp)).run()
+
+
+def local_model(uri: str, seed: int) -> Path:
+    """The model's local folder (TRL loads it by path, and builds its reference model from it). A `tiny://`
+    model not built on this node yet is built by a child process: transformers' `save_pretrained` writes
+    nothing on a rank but 0 of an initialized process group, so a worker would cache an empty model."""
+    from omni_core.models.factory import model_source
+    from omni_core.models.tiny import tiny_model_built
+
+    if uri.startswith("tiny://") and tiny_model_built(uri.removeprefix("tiny://"), seed=seed) is None:
+        build = "import sys; from omni_core.models.factory import model_source; model_source(sys.argv[1], int(sys.argv[2]))"
+        subprocess.run([sys.executable, "-c", build, uri, str(seed)], check=True, capture_output=True)
+    return Path(model_source(uri, seed))
 
 
 def _quiet() -> None:
@@ -129,10 +144,9 @@ class Worker:
 
         from omni_core.backends.trl.callback import OmniCallback
         from omni_core.backends.trl.data import trl_dataset
-        from omni_core.models.factory import model_source
 
         job = self.job
-        model_dir = model_source(job.model_uri, job.seed)
+        model_dir = local_model(job.model_uri, job.seed)
         with self.timed("data"):
             dataset, _ = trl_dataset(self.store, job.shard_keys, job.algorithm, model_dir, response=job.response)
         config_class = getattr(trl, job.trainer.replace("Trainer", "Config"))
