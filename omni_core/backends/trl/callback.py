@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from omni_core.backends.trl.worker import STEP_METRIC, SUMMARY_KEYS
+from omni_core.backends.trl.metrics import STEP_METRIC, SUMMARY_KEYS
 
 
 class OmniCallback(TrainerCallback):

@@ -24,11 +24,6 @@ from omni_core.backends import TrainingRun
 from omni_core.errors import ConfigError, OmniError
 from omni_core.training.checkpoint import latest_checkpoint, stage_prefix, weights_digest
 
-# the headline metrics of a step's progress line (TRL's names), by TRL trainer
-PROGRESS = {"GRPOTrainer": (("reward", "reward"), ("reward_std", "reward_std"), ("kl", "kl"),
-                            ("completions/mean_length", "len")),
-            "DPOTrainer": (("loss", "loss"), ("rewards/accuracies", "reward_acc"), ("rewards/margins", "margin")),
-            "SFTTrainer": (("loss", "loss"), ("mean_token_accuracy", "token_acc"))}
 FINAL_FORMAT = "huggingface"
 
 
@@ -53,7 +48,7 @@ def placement_problem(stage: Any, nodes: list[dict[str, Any]], where: str) -> st
 
 
 def run_trl(run: TrainingRun) -> Any:
-    from omni_core.backends.native import start_ray
+    from omni_core.training.ray_env import start_ray
     from omni_core.training.ray_stage import RLStageResult
 
     ctx, stage = run.ctx, run.stage
@@ -183,7 +178,7 @@ def _progress(run: TrainingRun, trainer: str) -> Any:
     """Progress lines and the stage's step count from `timing_s/step` in the stage's MLflow run."""
     from contextlib import nullcontext
 
-    from omni_core.backends.trl.worker import STEP_METRIC
+    from omni_core.backends.trl.metrics import PROGRESS, STEP_METRIC
     from omni_core.pipeline.watch import StepWatcher
 
     ctx, stage = run.ctx, run.stage

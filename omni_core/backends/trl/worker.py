@@ -21,9 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUMMARY_KEYS = frozenset({"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
-                          "train_loss"})  # the end-of-training summary transformers logs
-STEP_METRIC = "timing_s/step"  # our trainers' name for a step's wall time: the driver's progress follows it
+from omni_core.backends.trl.metrics import STEP_METRIC, SUMMARY_KEYS
 
 
 @dataclass(frozen=True)
