@@ -277,3 +277,21 @@ def test_grpo_with_vllm_colocate_is_built_up_to_the_trainers_start(tmp_path: Pat
                     config_digest="d", metadata={}, ray_run="r", use_gpu=False, num_threads=1, reward="digits")
     with pytest.raises(ImportError, match="vLLM is not available and `use_vllm` is set to True"):
         Worker(job, 0, 1, tmp_path / "worker").build_trainer(resumed=0)
+
+
+def test_a_worker_group_that_cannot_be_placed_is_refused_before_it_starts_naming_the_resources():
+    from omni_core.backends.trl.runner import placement_problem
+
+    stage = validate_pipeline(pipeline(backend={"name": "trl", "num_workers": 2,
+                                                "resources_per_worker": {"CPU": 2}})).stage("rl")
+    two_cpus = [{"Alive": True, "Resources": {"CPU": 2.0, "memory": 1e9}}]
+    assert placement_problem(stage, two_cpus, "local") == (
+        "stages.rl.backend: 2 Ray Train worker(s) of {'CPU': 2.0} do not fit on the Ray cluster (local: CPU 2); only "
+        "1 would: lower backend.num_workers or backend.resources_per_worker, or give Ray more (ray.num_cpus, more nodes)")
+    # two nodes of 2 CPUs fit them (one each); 4 CPUs spread as 3 + 1 do not, nor a dead node's
+    assert placement_problem(stage, two_cpus * 2, "h:6379") is None
+    assert "only 1 would" in placement_problem(stage, [{"Alive": True, "Resources": {"CPU": 3.0}},
+                                                       {"Alive": True, "Resources": {"CPU": 1.0}}], "h:6379")
+    assert "only 1 would" in placement_problem(stage, [*two_cpus, {"Alive": False, "Resources": {"CPU": 2.0}}], "x")
+    gpu = validate_pipeline(pipeline(backend={"name": "trl", "num_workers": 2, "use_gpu": True})).stage("rl")
+    assert "{'CPU': 1.0, 'GPU': 1.0} do not fit" in placement_problem(gpu, two_cpus * 2, "h:6379")
