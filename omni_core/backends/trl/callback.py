@@ -28,10 +28,10 @@ class OmniCallback(TrainerCallback):
         self.step_s[state.global_step] = time.perf_counter() - self.started
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        step = state.global_step
-        metrics = {k: float(v) for k, v in (logs or {}).items() if isinstance(v, int | float) and k not in SUMMARY_KEYS}
-        if not metrics or step not in self.step_s:
+        step, logs = state.global_step, logs or {}
+        if SUMMARY_KEYS & logs.keys() or step not in self.step_s:  # the end-of-training summary is not a step's
             return
+        metrics = {k: float(v) for k, v in logs.items() if isinstance(v, int | float)}
         metrics[STEP_METRIC] = self.step_s[step]
         self.last = metrics
         if step > self.skip_until:

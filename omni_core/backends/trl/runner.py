@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -125,6 +126,9 @@ def _fit(stage: Any, job: Any) -> None:
     from omni_core.paths import cache_dir
 
     backend = stage.backend
+    # Ray Train's workers send print() to its logger too, also while a library captures stdout (dill prints a
+    # function's bytecode into a capture when datasets hashes TRL's map functions): into the driver's log
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     trainer = TorchTrainer(
         train_loop, train_loop_config={"job": asdict(job)},
         scaling_config=ScalingConfig(num_workers=backend.num_workers, use_gpu=backend.use_gpu,
