@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -241,8 +242,8 @@ def faults(grpo_run, trl_env, mlflow_server, tmp_path_factory):
     config["stages"] = [s for s in config["stages"] if s["name"] in ("ingest", "grpo")]
     config["stages"][1].update({"model": sft["checkpoint_uri"], "after": ["ingest"]})
     (workdir / "pipeline.yaml").write_text(yaml.safe_dump(config))
-    cache, tmp = workdir / "cache", workdir / "tmp"  # the drivers' own (the model is the sft checkpoint on S3)
-    tmp.mkdir()
+    cache = workdir / "cache"  # the drivers' own (the model is the sft checkpoint on S3)
+    tmp = Path(tempfile.mkdtemp(prefix="trlf-", dir="/tmp"))  # short: Ray's socket paths live under it
     env = {**os.environ, "PREFECT_HOME": str(workdir / "prefect"), "PYTHONUNBUFFERED": "1", "OMNI_CACHE_DIR": str(cache),
            "TMPDIR": str(tmp)}
     env.pop("PREFECT_API_URL", None)
@@ -268,6 +269,9 @@ def faults(grpo_run, trl_env, mlflow_server, tmp_path_factory):
     finally:
         if first.poll() is None:
             _kill_session(first)
+    if "driver" not in seen:
+        pytest.fail(f"the first `omni run` ended ({first.returncode}) before its faults ({seen}):\n"
+                    + first_log.read_text()[-6000:])
     leftover = [p.pid for p in psutil.process_iter() if _environ(p).get("OMNI_CACHE_DIR") == str(cache)]
     seen["committed"] = sorted(s for s, ok in checkpoint_steps(store, _stage_root(store, "trl-fault")).items() if ok)
     shutil.rmtree(cache / "ray-train", ignore_errors=True)  # Ray Train's run folder
@@ -276,6 +280,7 @@ def faults(grpo_run, trl_env, mlflow_server, tmp_path_factory):
     second, second_log = _omni_run(workdir, env)
     code = second.wait(timeout=900)
     _kill_session(second)
+    shutil.rmtree(tmp, ignore_errors=True)
     return {"seen": seen, "leftover": leftover, "first_log": first_log.read_text(), "code": code,
             "second_log": second_log.read_text(), "store": store}
 
