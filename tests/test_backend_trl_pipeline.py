@@ -1,14 +1,14 @@
 """End to end with real TRL on CPU under a real Ray (2 Ray Train workers, one DDP group over gloo), an S3
 store (moto) and an MLflow server: the two examples (configs/trl_grpo.yaml: ingest -> sft -> grpo -> eval
 -> register; configs/trl_mpo.yaml: Omni-Preference pairs -> mpo -> eval -> register), smaller, run once in
-this process; then the faults, in one `omni run` (the `pipeline` flow in a subprocess) of the grpo stage
-from the module run's sft checkpoint:
+this process; then the faults, in a pipeline of the grpo stage from the module run's sft checkpoint
+driven by a subprocess:
 
 1. a Ray Train worker SIGKILLed once checkpoint 2 is committed: Ray Train restarts the group, which
    resumes from the store;
-2. the driver (the `omni run` process, its local Ray with it) SIGKILLed once checkpoint 4 is committed,
-   and Ray Train's run folder and the workers' local folders deleted (a new machine);
-3. `omni run` again: the grpo stage resumes from the store's checkpoint (S3) -
+2. the driver (its local Ray with it) SIGKILLed once the restarted group committed a checkpoint, and Ray
+   Train's run folder and the workers' local folders deleted (a new machine);
+3. `omni run` (the `pipeline` flow): the grpo stage resumes from the store's checkpoint (S3) -
 
 ending with the uninterrupted run's grpo weights, bit for bit. Sizes are tiny (a 2-layer toy model, 6-token
 completions); what is asserted is what the platform does around TRL."""
@@ -187,7 +187,7 @@ def test_the_mpo_example_trains_trls_dpo_with_mpos_losses_and_is_evaluated_and_r
     assert any(ln.startswith("[mpo] step 4/4  loss=") for ln in mpo_run["lines"])
 
 
-# ---- the faults: `omni run` in a subprocess ---------------------------------------------------------
+# ---- the faults: a killed driver, then `omni run` (subprocesses) -----------------------------------------
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -213,11 +213,25 @@ def _newest(store: Store, pipeline: str) -> int:
     return max(steps, default=0)
 
 
-def _omni_run(workdir: Path, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
-    log = workdir / f"omni-run-{time.monotonic_ns()}.log"
+# The first driver: the pipeline's stages in order in a plain process (what the flow's tasks call, without
+# starting Prefect's server for a run that is killed anyway); `omni run` is the second.
+DRIVER = """
+from omni_core.config import load_pipeline
+from omni_core.pipeline.run import PipelineRun
+
+config = load_pipeline("pipeline.yaml", [])
+run = PipelineRun.start(config, progress=lambda line: print(line, flush=True))
+for stage in config.ordered_stages():
+    run.run_stage(stage.name)
+run.finish(True)
+"""
+
+
+def _start(workdir: Path, env: dict[str, str], command: list[str]) -> tuple[subprocess.Popen, Path]:
+    log = workdir / f"driver-{time.monotonic_ns()}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "pipeline.yaml"], cwd=workdir, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     return proc, log
 
 
@@ -234,8 +248,8 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def faults(grpo_run, trl_env, mlflow_server, tmp_path_factory):
-    """ingest -> grpo (from the module run's sft checkpoint) by `omni run`: a worker killed at checkpoint 2,
-    the driver at checkpoint 4, Ray Train's and the workers' folders deleted, then `omni run` again."""
+    """ingest -> grpo (from the module run's sft checkpoint): a worker killed at checkpoint 2, the driver
+    once the restarted group committed one, Ray Train's and the workers' folders deleted, then `omni run`."""
     workdir = tmp_path_factory.mktemp("trl-fault")
     config = grpo_example(trl_env, mlflow_server.url, name="trl-fault")
     sft = grpo_run["run"].outcomes["sft"].outputs
@@ -249,7 +263,7 @@ def faults(grpo_run, trl_env, mlflow_server, tmp_path_factory):
     env.pop("PREFECT_API_URL", None)
     store = Store(trl_env["store"])
     seen: dict = {}
-    first, first_log = _omni_run(workdir, env)
+    first, first_log = _start(workdir, env, [sys.executable, "-c", DRIVER])
     try:
         deadline = time.monotonic() + 900
         while first.poll() is None and time.monotonic() < deadline:
@@ -270,14 +284,14 @@ def faults(grpo_run, trl_env, mlflow_server, tmp_path_factory):
         if first.poll() is None:
             _kill_session(first)
     if "driver" not in seen:
-        pytest.fail(f"the first `omni run` ended ({first.returncode}) before its faults ({seen}):\n"
+        pytest.fail(f"the first driver ended ({first.returncode}) before its faults ({seen}):\n"
                     + first_log.read_text()[-6000:])
     leftover = [p.pid for p in psutil.process_iter() if _environ(p).get("OMNI_CACHE_DIR") == str(cache)]
     seen["committed"] = sorted(s for s, ok in checkpoint_steps(store, _stage_root(store, "trl-fault")).items() if ok)
     shutil.rmtree(cache / "ray-train", ignore_errors=True)  # Ray Train's run folder
     shutil.rmtree(tmp)  # the workers' local TRL output (checkpoint-N folders)
     tmp.mkdir()
-    second, second_log = _omni_run(workdir, env)
+    second, second_log = _start(workdir, env, [sys.executable, "-m", "flows.cli", "run", "pipeline.yaml"])
     code = second.wait(timeout=900)
     _kill_session(second)
     shutil.rmtree(tmp, ignore_errors=True)
