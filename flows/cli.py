@@ -12,7 +12,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 import yaml
@@ -30,6 +30,9 @@ from flows.prefect_env import (
 from omni_core.config import ConfigValidationError, PipelineConfig, load_pipeline
 from omni_core.errors import OmniError
 
+if TYPE_CHECKING:
+    from flows.local_prefect import LocalServer
+
 # Registered at import, so it runs after the exit handlers registered later (Prefect stopping its
 # temporary server), just before the interpreter's own clean-up: the ~400k objects torch, MLflow and
 # Prefect built at import go to the permanent generation, which the finalising garbage collections skip.
@@ -45,12 +48,14 @@ def _mount_subcommands() -> None:
     from flows.cli_datasets import datasets_app, ingest_command
     from flows.cli_deploy import register_commands
     from flows.cli_image import image_app
+    from flows.cli_init import init_command
     from flows.cli_lineage import register_commands as register_lineage
     from flows.cli_recipes import register_commands as register_recipes
     from flows.cli_server import server_app
     from flows.cli_verify import register_commands as register_verify
 
     app.command("ingest")(ingest_command)
+    app.command("init")(init_command)
     app.add_typer(datasets_app, name="datasets")
     app.add_typer(image_app, name="image")
     app.add_typer(server_app, name="server")
@@ -130,13 +135,13 @@ def run(
     from flows.pipeline import pipeline  # imports Prefect: only when a run is asked for
 
     quiet_prefect_tracebacks()
-    prefect_ui = api_ready()
-    if prefect_ui is None:  # Prefect's temporary server: the first of several runs migrates its database
+    local_server = api_ready()
+    if local_server is None:  # Prefect's temporary server: the first of several runs migrates its database
         start_embedded_prefect_once(prefect_home)
 
     started = time.perf_counter()
     summary = pipeline(pipeline_file=str(pipeline_file), overrides=list(overrides or []), force=list(force or []))
-    print_summary(config, summary, time.perf_counter() - started, prefect_home, prefect_ui)
+    print_summary(config, summary, time.perf_counter() - started, prefect_home, local_server)
 
 
 @app.command()
@@ -165,7 +170,7 @@ def _print_plan(config: PipelineConfig, as_json: bool) -> None:
 
 
 def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect_home: str | None,
-                  prefect_ui: str | None = None) -> None:
+                  local_server: LocalServer | None = None) -> None:
     table = Table(title=f"pipeline {summary['pipeline']} finished in {seconds:.1f}s")
     for column in ("stage", "kind", "status", "seconds", "output"):
         table.add_column(column)
@@ -200,12 +205,14 @@ def print_summary(config: PipelineConfig, summary: dict, seconds: float, prefect
     from omni_core.lineage import ui_command
 
     console.print(f"open MLflow  {ui_command(summary['tracking_uri'])}")
-    if prefect_ui:
-        console.print(f"open Prefect {prefect_ui}   (omni's local Prefect server; `omni server stop` stops it)")
+    if local_server:  # the flow run's page (the server's front page lists only counts)
+        keep = "" if local_server.idle_minutes is None else "; `omni server start` keeps it running"
+        console.print(f"open Prefect {summary.get('prefect_flow_run_url') or local_server.url}   (omni's local Prefect "
+                      f"server: it {local_server.stops()}{keep})")
     elif prefect_home:
         console.print(f"open Prefect PREFECT_HOME={prefect_home} prefect server start   (then http://127.0.0.1:4200)")
     else:
-        console.print(f"open Prefect {os.environ.get('PREFECT_API_URL', '').removesuffix('/api')}")
+        console.print(f"open Prefect {summary.get('prefect_flow_run_url') or os.environ.get('PREFECT_API_URL', '').removesuffix('/api')}")
 
 
 HEADLINE_METRICS = ("val/reward_mean", "eval_rewards/accuracies")

@@ -57,8 +57,8 @@ def pipeline(pipeline_file: str | None = None, config: PipelineConfig | None = N
         else:
             run.stage_failed(name, future.result(raise_on_failure=False))
             failed.append(future)
-    summary = run.finish(ok=not failed)
-    publish_run_artifacts(summary, _flow_run_url())
+    summary = {**run.finish(ok=not failed), "prefect_flow_run_url": _flow_run_url()}
+    publish_run_artifacts(summary, summary["prefect_flow_run_url"])
     if failed:
         failed[0].result()  # raises the first failed stage's error (in dependency order)
     return summary

@@ -11,10 +11,14 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flows.cli_options import state
 from omni_core.file_lock import file_lock
 from omni_core.paths import OMNI_HOME
+
+if TYPE_CHECKING:
+    from flows.local_prefect import LocalServer
 
 
 def embedded_home() -> str:
@@ -34,11 +38,11 @@ def use_embedded_prefect() -> str | None:
     return home
 
 
-def start_embedded_api(home: str | None) -> Callable[[], str | None]:
+def start_embedded_api(home: str | None) -> Callable[[], LocalServer | None]:
     """On the embedded default (`home` from `use_embedded_prefect()`): omni's local Prefect server for
     `home`, found or started in the background, with this process's PREFECT_API_URL and PREFECT_UI_URL
     pointing at it. Returns the function to call before the flow: it waits until the server answers
-    and returns its UI's URL. With a user's PREFECT_API_URL (home None) or OMNI_PREFECT_SERVER=temporary
+    and returns it. With a user's PREFECT_API_URL (home None) or OMNI_PREFECT_SERVER=temporary
     (Prefect's own temporary server per command) it does nothing and returns None."""
     from flows import local_prefect
 
@@ -47,11 +51,7 @@ def start_embedded_api(home: str | None) -> Callable[[], str | None]:
     server, wait = local_prefect.start_local_server(home)
     os.environ["PREFECT_API_URL"] = server.api_url
     os.environ["PREFECT_UI_URL"] = server.url
-
-    def started() -> str:
-        return wait().url
-
-    return started
+    return wait
 
 
 def use_running_api(home: str | None) -> str | None:

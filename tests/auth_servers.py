@@ -88,9 +88,10 @@ class PrefectServer:
             stop(self.proc)
 
 
-def prefect_server(home: Path, db_url: str, auth: str) -> PrefectServer:
+def prefect_server(home: Path, db_url: str, auth: str, extra_env: dict[str, str] | None = None) -> PrefectServer:
+    """`extra_env`: more of the server's settings (its UI's, as the compose stack sets them)."""
     home.mkdir(parents=True, exist_ok=True)
-    return PrefectServer(f"http://127.0.0.1:{free_port()}/api", auth, home, db_url).start()
+    return PrefectServer(f"http://127.0.0.1:{free_port()}/api", auth, home, db_url).start(extra_env)
 
 
 @dataclass

@@ -1,13 +1,15 @@
 """Real verl on CPU: verl 0.9.1's SFT trainer (`torchrun -m verl.trainer.sft_trainer`, the command
 `render` gives) trains a tiny Qwen3 (`tiny://lm`) on a GSM8K export, writes `global_step_N/` and
-`latest_checkpointed_iteration.txt`, logs `train/loss` into our MLflow run (a real `mlflow server`)
-through MLFLOW_TRACKING_URI / MLFLOW_RUN_ID, and, SIGKILLed after a checkpoint that was mirrored to
+`latest_checkpointed_iteration.txt`, logs `train/loss` through its file logger (VERL_FILE_LOGGER_PATH),
+which our relay (omni_core/backends/jobs/metrics.py) writes into our MLflow run (a real `mlflow
+server`), and, SIGKILLed after a checkpoint that was mirrored to
 S3 (moto) and then deleted from the shared path, resumes from the restored copy with resume_mode=auto.
 CPU support is the product's `backend.device: cpu` (omni_core/backends/verl/cpu.py: the `cpu` platform
 of backends/verl/runtime/ loaded through verl's `VERL_USE_EXTERNAL_MODULES` hook)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -22,6 +24,7 @@ from mlflow_server import MlflowServer
 from verl_env import verl_python
 
 from omni_core.backends.jobs.export import export_dataset, stage_model
+from omni_core.backends.jobs.metrics import MetricsRelay
 from omni_core.backends.jobs.mirror import mirror_new, prepare_resume
 from omni_core.backends.verl import VerlBackend, VerlTraining, render
 from omni_core.config import DatasetConfig
@@ -80,13 +83,15 @@ def test_sft_trains_checkpoints_logs_to_mlflow_and_resumes_after_a_kill(
 
     client = MlflowClient(mlflow_server.url)
     run = client.create_run(client.create_experiment("verl-sft"))
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), **command.env,
-           "MLFLOW_TRACKING_URI": mlflow_server.url, "MLFLOW_RUN_ID": run.info.run_id}
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), **command.env}
+    files = [tmp_path / "metrics" / f"attempt-{n}.jsonl" for n in (1, 2)]  # one per job, as `submit` names them
+    files[0].parent.mkdir()
     log = tmp_path / "job.log"
     latest = run_dir / "latest_checkpointed_iteration.txt"
 
     started = time.monotonic()
-    code, killed_at = _run(command.argv, env, log, kill_after_step=1, latest=latest)
+    code, killed_at = _run(command.argv, {**env, "VERL_FILE_LOGGER_PATH": str(files[0])}, log, kill_after_step=1,
+                           latest=latest)
     first_s = time.monotonic() - started
     assert killed_at is not None, f"the job ended (exit {code}) before checkpointing step 1: {log.read_text()[-3000:]}"
     assert code != 0 and killed_at < STEPS
@@ -101,9 +106,8 @@ def test_sft_trains_checkpoints_logs_to_mlflow_and_resumes_after_a_kill(
     shutil.rmtree(run_dir)
     assert prepare_resume(run_dir, mirrors, "runs/gsm8k-sft/k0/sft") == killed_at
 
-    resumed_from = time.time() * 1000
     started = time.monotonic()
-    code, _ = _run(command.argv, env, log)
+    code, _ = _run(command.argv, {**env, "VERL_FILE_LOGGER_PATH": str(files[1])}, log)
     second_s = time.monotonic() - started
     assert code == 0, log.read_text()[-3000:]
     assert latest.read_text().strip() == str(STEPS)
@@ -115,12 +119,14 @@ def test_sft_trains_checkpoints_logs_to_mlflow_and_resumes_after_a_kill(
     assert {"model_world_size_1_rank_0.pt", "optim_world_size_1_rank_0.pt", "data_0.pt"} <= {
         f["path"] for f in manifest["files"]}
 
+    # the second process trained only the steps after the checkpoint it resumed from
+    relays = [MetricsRelay(client, run.info.run_id, path) for path in files]
+    for relay in relays:
+        assert relay.poll() > 0 and relay.poll() == 0  # every line once
+    second = [json.loads(line)["step"] for line in files[1].read_text().splitlines()]
+    assert sorted(set(second)) == list(range(killed_at + 1, STEPS + 1))
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert {m.step for m in history} == set(range(1, STEPS + 1))
-    # the second process trained only the steps after the checkpoint it resumed from
-    assert sorted(m.step for m in history if m.timestamp >= resumed_from) == list(range(killed_at + 1, STEPS + 1))
     assert client.get_metric_history(run.info.run_id, "val/loss")
-    params = client.get_run(run.info.run_id).data.params
-    assert params.get("trainer/default_local_dir") == str(run_dir)
     print(f"verl sft on CPU: first job {first_s:.1f} s (killed after step {killed_at}), "
           f"resumed job {second_s:.1f} s (steps {killed_at + 1}..{STEPS})")

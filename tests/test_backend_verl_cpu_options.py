@@ -14,7 +14,7 @@ from test_backend_verl_stage import cli, error_of, pipeline
 from typer.testing import CliRunner
 from verl_env import verl_python
 
-from omni_core.backends.verl import VerlBackend, VerlTraining, precheck, render
+from omni_core.backends.verl import VerlBackend, VerlTraining, interpreter, precheck, render
 from omni_core.backends.verl.cpu import RUNTIME_DIR
 from omni_core.config import config_digest, validate_pipeline
 
@@ -43,7 +43,9 @@ def test_device_cpu_is_the_gpu_command_plus_the_cpu_keys_and_env():
     assert cpu.env["PYTHONPATH"] == str(RUNTIME_DIR) and (RUNTIME_DIR / "omni_verl_cpu_rollout.py").is_file()
     assert gpu.env == {}
     # the job's Ray workers run verl's interpreter (a laptop's `ray start` may come from another one)
-    assert "ray_kwargs.ray_init.runtime_env.py_executable=python3" in cpu.overrides
+    assert "ray_kwargs.ray_init.runtime_env.py_executable=python3" in grpo("cpu", python="python3")[0].overrides
+    # backend.python left out: the interpreter the job runs (.venv-verl here), for its workers too
+    assert f"ray_kwargs.ray_init.runtime_env.py_executable={verl_python()}" in cpu.overrides
     # a user's PYTHONPATH is kept after ours; backend.overrides still come last
     mixed, _ = grpo("cpu", env={"PYTHONPATH": "/mine"}, overrides=["data.seed=3"])
     assert mixed.env["PYTHONPATH"] == f"{RUNTIME_DIR}:/mine" and mixed.overrides[-1] == "data.seed=3"
@@ -130,16 +132,16 @@ def test_a_misspelled_override_is_refused_by_validate_plan_and_dry_run(tmp_path,
     results = {r.stage: r.status for r in precheck.check_pipeline(validate_pipeline(data))}
     assert results == {"sft": "ok", "rl": "ok"}
     # the key names the install (verl's version, its config files' newest mtime): a reinstall is asked again
-    found = precheck._interpreter(verl_python())
-    assert found is not None
-    _, version, newest = found[2].split()
+    found = interpreter.resolve(verl_python())
+    assert found.check == found.job == verl_python()
+    _, version, newest = found.install.split()
     assert version == "0.9.1" and int(newest) > 0
 
 
 def test_without_verl_the_check_is_skipped_saying_why(tmp_path, monkeypatch):
     from flows.cli import app
 
-    monkeypatch.setattr(precheck, "REPO_VERL_PYTHON", tmp_path / "no-venv-verl" / "python")
+    monkeypatch.setattr(interpreter, "REPO_VERL_PYTHON", tmp_path / "no-venv-verl" / "python")
     data = pipeline(tmp_path, rl={"backend": {**CPU_RL["backend"], "python": str(tmp_path / "no-python"),
                                               "overrides": [TYPO]}})
     data["stages"][0]["backend"]["python"] = "python3"
@@ -148,11 +150,12 @@ def test_without_verl_the_check_is_skipped_saying_why(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["validate", str(path)])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
-    assert f"verl hydra check, stage rl: skipped: neither backend.python ({tmp_path / 'no-python'}) nor" in text
-    assert "verl hydra check, stage sft: skipped: neither backend.python (python3)" in text
-    assert "has verl installed" in text
+    assert (f"verl hydra check, stage rl: skipped: neither the job's interpreter ({tmp_path / 'no-python'}, "
+            "backend.python) nor") in text
+    assert "verl hydra check, stage sft: skipped: neither the job's interpreter (python3, backend.python)" in text
+    assert "has verl installed here" in text
     # backend.python itself is used when it has verl
-    assert precheck.verl_interpreter(verl_python())[1].startswith("verl 0.9.1 of backend.python")
+    assert interpreter.resolve(verl_python()).check_origin.startswith("verl 0.9.1 of backend.python")
 
 
 def test_only_at_the_end_still_saves_the_last_step_of_main_ppo():

@@ -34,7 +34,7 @@ SUBSTITUTED = {
     "train_files": lambda v: "['/shared/exports/ds/train.parquet']" if v.startswith("[") else PATHS.train_files[0],
     "val_files": lambda v: "['/shared/exports/ds/test.parquet']" if v.startswith("[") else PATHS.val_files[0],
     "model": lambda v: "/shared/models/m",
-    "logger": lambda v: '["console","mlflow"]',
+    "logger": lambda v: '["console","file"]',
     "default_local_dir": lambda v: "/shared/runs/p/k/rl/checkpoints",
     "run_dir": lambda v: "/shared/runs/p/k/rl/" + v.rsplit("/", 1)[-1],
     "package_file": lambda v: "/opt/site/" + v[v.index("verl_omni/"):],

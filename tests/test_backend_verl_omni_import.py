@@ -71,7 +71,7 @@ def test_an_unknown_script_keeps_its_overrides_verbatim() -> None:
     assert command.argv == ["python3", "-m", "verl_omni.trainer.main_omni",
                             "data.train_files=/shared/exports/ds/train.parquet",
                             "data.val_files=/shared/exports/ds/test.parquet", "actor_rollout_ref.model.path=/shared/models/m",
-                            'trainer.logger=["console","mlflow"]', "algorithm.adv_estimator=grpo",
+                            'trainer.logger=["console","file"]', "algorithm.adv_estimator=grpo",
                             "trainer.default_local_dir=/shared/runs/p/k/rl/checkpoints"]
     with pytest.raises(ConfigError, match="python3 -m"):
         import_script("echo hi\n", "x.sh")

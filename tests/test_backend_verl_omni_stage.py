@@ -147,19 +147,21 @@ def test_plan_prints_the_recipes_ray_job(tmp_path, no_driver_credentials):
     shared = tmp_path / "sh"
     folder = f"{shared}/datasets/mmk12/{version}/verl_omni-inline"
     assert rl["backend"] == "verl_omni" and rl["recipe"] == "qwen3-omni-thinker-gspo-mmk12"
-    assert rl["submission_id"] == f"omni-verl-vo-rl-{run_key}"
+    # the run key and the rendered command's digest (another shared path or interpreter: another job)
+    assert rl["submission_id"].startswith(f"omni-verl-vo-rl-{run_key}-") and len(rl["submission_id"].rsplit("-", 1)[1]) == 8
     assert rl["stages"]["dataset"] == {"from": f"mmk12@{version}", "to": folder, "layout": "inline",
                                        "files": [f"{folder}/test.parquet", f"{folder}/train.parquet"]}
     assert rl["stages"]["model"] == {"from": "Qwen/Qwen3-Omni-30B-A3B-Instruct", "to": "Qwen/Qwen3-Omni-30B-A3B-Instruct"}
     argv = shlex.split(rl["entrypoint"])
     assert argv[:3] == ["/opt/venv/bin/python3", "-m", "verl_omni.trainer.main_omni"] and argv[3:] == rl["overrides"]
     assert f"data.train_files={folder}/train.parquet" in argv and f"data.val_files={folder}/test.parquet" in argv
-    assert 'trainer.logger=["console","mlflow"]' in argv
+    assert 'trainer.logger=["console","file"]' in argv  # verl's file logger, relayed into MLflow by the driver
     assert f"trainer.default_local_dir={shared}/runs/vo/{run_key}/rl/checkpoints" in argv
     assert "actor_rollout_ref.rollout.n=8" in argv and argv[-1] == "actor_rollout_ref.rollout.gpu_memory_utilization=0.6"
     assert rl["runtime_env"]["env_vars"] == {
-        "VERL_USE_EXTERNAL_MODULES": "verl_omni", "MLFLOW_TRACKING_URI": data["tracking_uri"],
-        "MLFLOW_RUN_ID": "<the stage's MLflow child run>", "AWS_SECRET_ACCESS_KEY": "<from the driver's $AWS_SECRET_ACCESS_KEY>"}
+        "VERL_USE_EXTERNAL_MODULES": "verl_omni",
+        "VERL_FILE_LOGGER_PATH": f"{shared}/runs/vo/{run_key}/rl/metrics/{rl['submission_id']}.jsonl",
+        "AWS_SECRET_ACCESS_KEY": "<from the driver's $AWS_SECRET_ACCESS_KEY>"}
     text = cli("run", str(path), "--dry-run")
     assert text.returncode == 0, text.stderr
     assert "rl (rl, backend verl_omni)" in text.stdout and "VeRL-Omni recipe qwen3-omni-thinker-gspo-mmk12" in text.stdout
@@ -291,8 +293,9 @@ def test_an_imported_script_outside_the_catalog_is_a_stage(tmp_path, no_driver_c
     assert entry["entrypoint"].startswith(f"python3 -m verl_omni.trainer.main_omni data.train_files={folder}/train.parquet "
                                           "actor_rollout_ref.model.path=Qwen/X algorithm.adv_estimator=grpo")
     assert entry["stages"]["model"]["from"] == "Qwen/X"
-    assert entry["runtime_env"]["env_vars"] == {"VERL_USE_EXTERNAL_MODULES": "verl_omni", "MY_FLAG": "1",
-                                                "MLFLOW_RUN_ID": "<the stage's MLflow child run>"}
+    assert entry["runtime_env"]["env_vars"] == {
+        "VERL_USE_EXTERNAL_MODULES": "verl_omni", "MY_FLAG": "1",
+        "VERL_FILE_LOGGER_PATH": f"{tmp_path}/sh/runs/vo/k/rl/metrics/{entry['submission_id']}.jsonl"}
     data["datasets"]["gsm8k"]["converter"] = "avqa"
     assert "an imported entry point reads the store's verl Parquet" in _error(data)
 

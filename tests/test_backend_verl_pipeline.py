@@ -5,10 +5,14 @@ digits reward, verl's CPU rollout `omni_cpu`) -> `eval` of the rl checkpoint (ou
 responses a row with the sft checkpoint as the baseline: GRPO raised the reward; and `engine: trainer`:
 verl's own validation as a val-only Ray Job) -> `register`. Asserts verl's own metrics in our child runs
 (train/loss; critic/score/mean, actor/pg_loss, actor/ppo_kl and the rollout-vs-actor log-prob
-difference), the mirrored checkpoints with manifests, verl's own Hugging Face weights committed as our
-checkpoints, and the registered version's lineage down to the raw files.
+difference: written by verl's file logger, relayed by the driver), the mirrored checkpoints with
+manifests, verl's own Hugging Face weights committed as our checkpoints, a custom reward file
+(`path.py:function`) staged on the shared path as verl's custom reward function, and the registered
+version's lineage down to the raw files.
 
-The faults run the `pipeline` flow itself (`omni run` in a subprocess, Prefect's embedded API), once:
+The faults run the `pipeline` flow itself (`omni run` in a subprocess, Prefect's embedded API) as a
+laptop user runs it: MLflow on sqlite (the embedded default; verl's own interpreter has no SQL store,
+hence the relay) and no `backend.python` (the job runs the .venv-verl the Hydra check found), once:
 ingest -> rl (GRPO from the module run's sft checkpoint) -> gspo (main_ppo's GSPO loss). The GRPO
 trainer is SIGKILLed once a step is mirrored and the shared path emptied: the flow's task retry resumes
 from S3 to the weights the uninterrupted run (the module run's rl stage) had at that step. Then, once the
@@ -38,12 +42,15 @@ from typer.testing import CliRunner
 from verl_env import verl_python
 from verl_jobs import (  # noqa: F401 - the job-path tests, collected here: they share this module's Ray head
     ray_jobs,
+    test_a_job_that_would_fail_again_is_told_apart_from_a_killed_one,
     test_a_verl_omni_recipe_stage_goes_through_the_job_path_up_to_the_jobs_start,
     test_a_verl_omni_recipes_own_validation_goes_through_the_job_path_up_to_the_jobs_start,
+    test_an_interpreter_without_verl_on_the_nodes_is_refused_before_any_submission,
     test_job_submission_finds_a_finished_job_and_stops_one_on_ctrl_c,
 )
 
 from omni_core.backends.jobs.job import STEP_LINE
+from omni_core.backends.jobs.metrics import MetricsMissing
 from omni_core.backends.verl.stage import REWARD_FILES
 from omni_core.config import validate_pipeline
 from omni_core.storage import Store
@@ -75,17 +82,28 @@ def sft_stage(shared_dir: Path, **extra) -> dict:
                         "overrides": ["data.max_length=128", "data.micro_batch_size_per_gpu=16"]}, **extra}
 
 
-def rl_stage(shared_dir: Path, *, name: str = "rl", algorithm: dict | None = None, steps: int = RL_STEPS,
-             model: dict | str | None = None, n: int = 8, batch_size: int = 16, **extra) -> dict:
+def rl_stage(shared_dir: Path, reward: Path, *, name: str = "rl", algorithm: dict | None = None,
+             steps: int = RL_STEPS, model: dict | str | None = None, n: int = 8, batch_size: int = 16,
+             python: str | None = None, **extra) -> dict:
     """A verl main_ppo stage on CPU: GRPO by default, from the sft stage's checkpoint, the digits reward
-    (partial credit, so a group's responses score differently and the policy gradient is not zero)."""
+    from a file of the user's (`reward_file`: partial credit, so a group's responses score differently
+    and the policy gradient is not zero); `python` left out: the interpreter the Hydra check found."""
     return {"name": name, "kind": "rl", "after": ["sft"] if model is None else ["ingest"],
             "model": model or {"from": "sft"}, "data": "digits:train", "algorithm": algorithm or {"name": "grpo"},
-            "rollout": {"n": n, "temperature": 1.0, "max_new_tokens": 8}, "reward": {"name": "digits"},
+            "rollout": {"n": n, "temperature": 1.0, "max_new_tokens": 8}, "reward": {"name": f"{reward}:rotation_score"},
             "trainer": {"total_steps": steps, "batch_size": batch_size, "lr": 5e-4, "max_prompt_tokens": 64},
             "checkpoint": {"save_freq": 1, "max_to_keep": None},
-            "backend": {"name": "verl", "python": verl_python(), "shared_dir": str(shared_dir), "device": "cpu",
-                        "overrides": ["trainer.val_before_train=false", *MICRO_BATCHES]}, **extra}
+            "backend": {"name": "verl", **({"python": python} if python else {}), "shared_dir": str(shared_dir),
+                        "device": "cpu", "overrides": ["trainer.val_before_train=false", *MICRO_BATCHES]}, **extra}
+
+
+def reward_file(folder: Path) -> Path:
+    """A user's reward file: our digits scorer (standard library only, as verl loads it) under a name of
+    the user's, `rotation_score`."""
+    path = folder / "rotation_reward.py"
+    if not path.exists():
+        path.write_text(Path(REWARD_FILES["digits"]).read_text() + "\n\nrotation_score = compute_score\n")
+    return path
 
 
 GSPO = {"name": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"}
@@ -118,13 +136,14 @@ def uninterrupted(ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  # noqa: 
     """ingest -> sft (verl) -> rl (verl GRPO) -> eval -> register, run once."""
     store_uri = f"s3://{verl_s3}/store"
     shared = tmp_path_factory.mktemp("verl-e2e") / "shared"
+    reward = reward_file(shared.parent)
     config = validate_pipeline({
         "name": "verl-e2e", "store": store_uri, "tracking_uri": mlflow_server.url,
         "ray": {"address": ray_jobs.get_address()}, "datasets": DIGITS,
         "stages": [
             {"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
             sft_stage(shared),
-            rl_stage(shared),
+            rl_stage(shared, reward, python=verl_python()),
             # sampled (8 responses a row, the same random numbers for both): did GRPO help the sft checkpoint
             {"name": "eval", "kind": "eval", "after": ["rl"], "checkpoint_from": "rl", "data": "digits:test",
              "max_new_tokens": 8, "greedy": False, "n": 8, "samples": 2, "baseline": True},
@@ -134,7 +153,7 @@ def uninterrupted(ray_jobs, mlflow_server, verl_s3, tmp_path_factory):  # noqa: 
         ]})
     lines: list[str] = []
     run = run_in_order(config, progress=lines.append)
-    return {"run": run, "lines": lines, "store_uri": store_uri, "shared": shared}
+    return {"run": run, "lines": lines, "store_uri": store_uri, "shared": shared, "reward": reward}
 
 
 def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs, tmp_path):  # noqa: F811
@@ -152,14 +171,19 @@ def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs
     assert sorted(m.step for m in losses) == steps  # verl's own mlflow logger, in our child run
     tags = client.get_run(sft.mlflow_run_id).data.tags
     assert tags["omni.verl.version"] == "0.9.1"
-    assert tags["omni.verl.submission_id"] == f"omni-verl-verl-e2e-sft-{out['run_key']}"
+    assert tags["omni.verl.submission_id"].startswith(f"omni-verl-verl-e2e-sft-{out['run_key']}-")  # + command digest
     assert "-m verl.trainer.sft_trainer" in tags["omni.verl.command"]
     artifacts = [a.path for a in client.list_artifacts(sft.mlflow_run_id, "verl")]
     assert "verl/command.json" in artifacts and any(p.endswith(".log") for p in artifacts)
-    # verl logged through the job's runtime env (our run's id), and Hydra's run folder is beside the checkpoints
-    job_env = ray_jobs.get_job_info(tags["omni.verl.submission_id"]).runtime_env["env_vars"]
-    assert job_env["MLFLOW_RUN_ID"] == sft.mlflow_run_id and job_env["MLFLOW_TRACKING_URI"] == mlflow_server.url
-    assert list((uninterrupted["shared"] / "runs" / "verl-e2e" / out["run_key"] / "sft").glob("hydra/*/.hydra/config.yaml"))
+    # verl logged through its file logger beside the checkpoints (relayed into our run by the driver; the
+    # job itself knows no MLflow run), and Hydra's run folder is there too
+    job_id = tags["omni.verl.submission_id"]
+    job_env = ray_jobs.get_job_info(job_id).runtime_env["env_vars"]
+    run_dir = uninterrupted["shared"] / "runs" / "verl-e2e" / out["run_key"] / "sft"
+    assert job_env["VERL_FILE_LOGGER_PATH"] == f"{run_dir}/metrics/{job_id}.jsonl"
+    assert not {"MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI"} & set(job_env)
+    assert len((run_dir / "metrics" / f"{job_id}.jsonl").read_text().splitlines()) >= TOTAL_STEPS
+    assert list(run_dir.glob("hydra/*/.hydra/config.yaml"))
 
     store = Store(store_uri)
     root = stage_prefix("verl-e2e", out["run_key"], "sft")
@@ -183,7 +207,13 @@ def test_ingest_sft_on_verl_eval_register(uninterrupted, mlflow_server, ray_jobs
     rl_tags = client.get_run(rl.mlflow_run_id).data.tags
     assert "-m verl.trainer.main_ppo" in rl_tags["omni.verl.command"]
     assert "actor_rollout_ref.rollout.name=omni_cpu" in rl_tags["omni.verl.command"]
-    assert f"reward.custom_reward_function.path={REWARD_FILES['digits']}" in rl_tags["omni.verl.command"]
+    # the user's reward file, staged on the shared path by its content (an edit reaches only the next job)
+    from omni_core.storage import file_sha256
+
+    staged = uninterrupted["shared"] / "rewards" / file_sha256(uninterrupted["reward"])[:16] / "rotation_reward.py"
+    assert staged.read_bytes() == uninterrupted["reward"].read_bytes()
+    assert f"reward.custom_reward_function.path={staged}" in rl_tags["omni.verl.command"]
+    assert "reward.custom_reward_function.name=rotation_score" in rl_tags["omni.verl.command"]
     assert rl_out["weights_sha256"] != out["weights_sha256"]  # trained from the sft checkpoint
     metrics = {name: client.get_metric_history(rl.mlflow_run_id, name) for name in (
         "critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "training/rollout_probs_diff_max",
@@ -277,20 +307,20 @@ def _end(proc: subprocess.Popen, timeout: float) -> int | None:
             os.killpg(proc.pid, signal.SIGKILL)  # what is left of its session (Prefect's server)
 
 
-def _rl_trainers(shared_dir: Path, tracking_uri: str) -> list[psutil.Process]:
+def _rl_trainers(shared_dir: Path) -> list[psutil.Process]:
     """verl main_ppo's driver of runs under `shared_dir` and its trainer loop (the TaskRunner actor, told
-    apart from other runs' on this machine by the MLflow server its job logs to)."""
+    apart from other runs' on this machine by the metrics file its job's env names)."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or ())
         with contextlib.suppress(psutil.Error):
             if ("verl.trainer.main_ppo" in cmd and str(shared_dir) in cmd) or (
-                    "TaskRunner" in cmd and proc.environ().get("MLFLOW_TRACKING_URI") == tracking_uri):
+                    "TaskRunner" in cmd and str(shared_dir) in proc.environ().get("VERL_FILE_LOGGER_PATH", "")):
                 found.append(proc)
     return found
 
 
-def _kill_after_mirrored(store: Store, pipeline: str, shared_dir: Path, tracking_uri: str, step: int, seen: dict,
+def _kill_after_mirrored(store: Store, pipeline: str, shared_dir: Path, step: int, seen: dict,
                          stop: threading.Event) -> None:
     """Once verl's latest file names `step`: SIGSTOP the trainer (so it cannot finish meanwhile); once the
     store shows the step mirrored: SIGKILL it and empty the shared path (a new cluster), so the retry
@@ -301,7 +331,7 @@ def _kill_after_mirrored(store: Store, pipeline: str, shared_dir: Path, tracking
             for latest_file in shared_dir.glob(f"runs/{pipeline}/*/rl/{LATEST}"):
                 text = latest_file.read_text().strip()
                 if text.isdigit() and int(text) >= step:
-                    frozen = _rl_trainers(shared_dir, tracking_uri)
+                    frozen = _rl_trainers(shared_dir)
                     for proc in frozen:
                         proc.send_signal(signal.SIGSTOP)
         else:
@@ -320,27 +350,30 @@ def _kill_after_mirrored(store: Store, pipeline: str, shared_dir: Path, tracking
 
 
 @pytest.fixture(scope="module")
-def faults(uninterrupted, ray_jobs, mlflow_server, verl_s3, tmp_path_factory, prefect_db):  # noqa: F811
-    """`omni run` of ingest -> rl -> gspo: rl's trainer killed once (the retry resumes), then the flow-run
-    process SIGTERMed once gspo's first checkpoint is mirrored (the cancel)."""
+def faults(uninterrupted, ray_jobs, verl_s3, tmp_path_factory, prefect_db, mlflow_db):  # noqa: F811
+    """`omni run` of ingest -> rl -> gspo on MLflow's sqlite, without backend.python: rl's trainer killed
+    once (the retry resumes), then the flow-run process SIGTERMed once gspo's first checkpoint is mirrored
+    (the cancel)."""
     store_uri = f"s3://{verl_s3}/store"
     workdir = tmp_path_factory.mktemp("verl-fault")
     shared = workdir / "shared"
+    tracking = mlflow_db(workdir / "run" / "mlflow.db")  # the embedded default's tracking: sqlite
     sft_checkpoint = uninterrupted["run"].outcomes["sft"].outputs["checkpoint_uri"]
-    config = {"name": "verl-fault", "store": store_uri, "tracking_uri": mlflow_server.url,
+    reward = uninterrupted["reward"]
+    config = {"name": "verl-fault", "store": store_uri, "tracking_uri": tracking,
               "ray": {"address": ray_jobs.get_address()}, "datasets": DIGITS,
               "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
-                         rl_stage(shared, model=sft_checkpoint, steps=FAULT_RL_STEPS,
+                         rl_stage(shared, reward, model=sft_checkpoint, steps=FAULT_RL_STEPS,
                                   execution={"max_failures": 1, "retry_backoff_s": 1.0}),
                          # many steps: it is cancelled at its first mirrored checkpoint (smaller steps than
                          # rl's: nothing is compared with its weights)
-                         {**rl_stage(shared, name="gspo", algorithm=GSPO, steps=50, model=sft_checkpoint, n=4,
-                                     batch_size=8), "after": ["rl"]}]}
+                         {**rl_stage(shared, reward, name="gspo", algorithm=GSPO, steps=50, model=sft_checkpoint,
+                                     n=4, batch_size=8), "after": ["rl"]}]}
     store = Store(store_uri)
     seen: dict = {}
     stop = threading.Event()
     killer = threading.Thread(target=_kill_after_mirrored, daemon=True,
-                              args=(store, "verl-fault", shared, mlflow_server.url, 1, seen, stop))
+                              args=(store, "verl-fault", shared, 1, seen, stop))
     killer.start()
     prefect_db(workdir / "run" / "prefect" / "prefect.db")  # Prefect's temporary server: no migrations to run
     proc, out = _omni_run(workdir / "run", config)
@@ -353,7 +386,7 @@ def faults(uninterrupted, ray_jobs, mlflow_server, verl_s3, tmp_path_factory, pr
             time.sleep(0.5)
         [job] = [j for j in ray_jobs.list_jobs() if (j.submission_id or "").startswith("omni-verl-verl-fault-gspo-")]
         running = ray_jobs.get_job_status(job.submission_id).value
-        trainers = _rl_trainers(shared, mlflow_server.url)
+        trainers = _rl_trainers(shared)
         proc.send_signal(signal.SIGTERM)  # what Prefect's worker sends the flow-run process on cancel
         code = proc.wait(timeout=120)
     finally:
@@ -361,11 +394,11 @@ def faults(uninterrupted, ray_jobs, mlflow_server, verl_s3, tmp_path_factory, pr
         _end(proc, timeout=0)
     return {"seen": seen, "code": code, "log": out.read_text(), "store": store, "shared": shared,
             "gspo_job": job.submission_id, "gspo_root": gspo_latest.rsplit("/", 1)[0], "running": running,
-            "trainers": trainers}
+            "trainers": trainers, "tracking": tracking}
 
 
 def test_a_killed_rl_trainer_is_retried_by_the_flow_and_resumes_from_s3_to_the_same_weights(
-        faults, uninterrupted, mlflow_server, tmp_path):  # noqa: F811
+        faults, uninterrupted, ray_jobs, tmp_path):  # noqa: F811
     """The module run's GRPO stage again for its first 2 steps, inside the `pipeline` flow (`omni run`),
     from the same sft checkpoint (its URI): once it saved step 1 its driver and trainer loop are paused,
     and SIGKILLed once that step is mirrored to S3, and the shared path is deleted; the flow's task retry
@@ -383,13 +416,20 @@ def test_a_killed_rl_trainer_is_retried_by_the_flow_and_resumes_from_s3_to_the_s
     assert resumed >= mirrored  # restored from the mirror (the shared path was empty)
 
     run_key = root.split("/")[2]
-    attempt2 = f"omni-verl-verl-fault-rl-{run_key}-attempt-2"
-    client = MlflowClient(mlflow_server.url)
+    [attempt2] = [j.submission_id for j in ray_jobs.list_jobs()
+                  if (j.submission_id or "").startswith(f"omni-verl-verl-fault-rl-{run_key}-")
+                  and j.submission_id.endswith("-attempt-2")]
+    # backend.python left out: the job ran the interpreter the Hydra check found (this checkout's .venv-verl)
+    assert ray_jobs.get_job_info(attempt2).entrypoint.startswith(f"{verl_python()} -c ")
+    client = MlflowClient(faults["tracking"])  # sqlite, as on a laptop
     [retried] = client.search_runs([client.get_experiment_by_name("verl-fault").experiment_id],
                                    f"tags.`omni.verl.submission_id` = '{attempt2}'")
     local = client.download_artifacts(retried.info.run_id, f"verl/{attempt2}.log", str(tmp_path))
     steps = [int(s) for s in STEP_LINE.findall(Path(local).read_text())]
     assert steps and min(steps) == resumed + 1 and max(steps) == FAULT_RL_STEPS  # resumed, not restarted
+    # verl's metrics reached the stage's sqlite run (relayed by the driver from verl's file logger)
+    for name in ("critic/score/mean", "actor/pg_loss"):
+        assert {m.step for m in client.get_metric_history(retried.info.run_id, name)} >= {FAULT_RL_STEPS}, name
 
     # the restored optimizer state and data cursor are the mirrored bytes (restore checks every sha256)
     restored = store.read_json(f"{root}/checkpoints/global_step_{resumed}/{MANIFEST}")
@@ -411,7 +451,7 @@ def test_a_killed_rl_trainer_is_retried_by_the_flow_and_resumes_from_s3_to_the_s
     assert final[HF_WEIGHTS] != by_path[HF_WEIGHTS]  # the step after the resumed one trained
 
 
-def test_cancelling_the_flow_run_stops_the_ray_job(faults, ray_jobs, mlflow_server):  # noqa: F811
+def test_cancelling_the_flow_run_stops_the_ray_job(faults, ray_jobs):  # noqa: F811
     """Prefect's process worker cancels a flow run by SIGTERM to the flow-run process (its runner's
     graceful kill); Prefect's flow engine turns it into TerminationSignal in the flow's thread, while
     the stage follows its job in a task thread. The flow stops the Ray Job and waits for STOPPED before
@@ -422,9 +462,9 @@ def test_cancelling_the_flow_run_stops_the_ray_job(faults, ray_jobs, mlflow_serv
     assert faults["code"] != 0, log[-3000:]
     assert ray_jobs.get_job_status(faults["gspo_job"]).value == "STOPPED", log[-3000:]  # before the process went
     gone, alive = psutil.wait_procs(faults["trainers"], timeout=30)
-    assert not alive and not _rl_trainers(faults["shared"], mlflow_server.url)
+    assert not alive and not _rl_trainers(faults["shared"])
 
-    client = MlflowClient(mlflow_server.url)
+    client = MlflowClient(faults["tracking"])
     [gspo] = client.search_runs([client.get_experiment_by_name("verl-fault").experiment_id],
                                 f"tags.`omni.verl.submission_id` = '{faults['gspo_job']}'")
     gspo_command = gspo.data.tags["omni.verl.command"]
@@ -435,3 +475,74 @@ def test_cancelling_the_flow_run_stops_the_ray_job(faults, ray_jobs, mlflow_serv
     mirrored = checkpoint_steps(faults["store"], faults["gspo_root"])
     assert mirrored.get(1) is True, mirrored  # its first checkpoint, mirrored with its manifest
     assert client.get_metric_history(gspo.info.run_id, "actor/pg_loss")
+
+
+# ---- one Ray cluster, several stores: each store's run has its job, or finds the very same one ----------
+
+
+@pytest.fixture(scope="module")
+def stores_on_one_cluster(ray_jobs, tmp_path_factory, mlflow_db):  # noqa: F811
+    """The same small pipeline (ingest -> verl sft, 3 steps) on the embedded default's store and tracking
+    (a local folder, MLflow on sqlite), run in turn against three stores on this module's Ray head: `dev`
+    and `prod` with shared paths of their own, then `beside`, another store on dev's shared path."""
+    root = tmp_path_factory.mktemp("stores")
+
+    def config(store: str, shared: str, steps: int = 3, overrides: tuple[str, ...] = ()):
+        return validate_pipeline({
+            "name": "laptop", "store": str(root / store / "store"), "tracking_uri": mlflow_db(root / store / "mlflow.db"),
+            "ray": {"address": ray_jobs.get_address()}, "datasets": DIGITS,
+            "stages": [{"name": "ingest", "kind": "ingest", "datasets": ["digits"]},
+                       {"name": "sft", "kind": "sft", "after": ["ingest"], "model": "tiny://lm", "data": "digits:train",
+                        "algorithm": {"name": "sft", "response": "ground_truth"},
+                        "trainer": {"total_steps": steps, "batch_size": 8, "lr": 1e-3},
+                        "backend": {"name": "verl", "shared_dir": str(root / shared), "device": "cpu",
+                                    "overrides": ["data.max_length=128", "data.micro_batch_size_per_gpu=8",
+                                                  *overrides]}}]})
+
+    runs = {}
+    for name, store, shared in (("dev", "dev", "shared-dev"), ("prod", "prod", "shared-prod"),
+                                ("beside", "beside", "shared-dev")):
+        lines: list[str] = []
+        runs[name] = (run_in_order(config(store, shared), progress=lines.append), lines)
+    # and a job that trains but logs nothing: verl's loggers overridden to the console only
+    with pytest.raises(MetricsMissing) as quiet:
+        run_in_order(config("quiet", "shared-quiet", steps=1, overrides=("trainer.logger=[console]",)))
+    return {**runs, "quiet": quiet.value}
+
+
+def test_each_store_trains_its_own_job_and_its_metrics_land_in_its_sqlite_run(stores_on_one_cluster, ray_jobs):  # noqa: F811
+    """The run key leaves out the store and the shared path; the submission id also holds the rendered
+    command's digest, so prod (another shared path) submits its own job instead of following dev's
+    finished one. A store on dev's shared path renders dev's very command: it follows dev's finished job
+    (the same training), mirrors its checkpoints into its own store and relays its metrics into its own
+    run. Every run's `train/loss` is in its sqlite MLflow run."""
+    outcomes = {name: stores_on_one_cluster[name][0].outcomes["sft"] for name in ("dev", "prod", "beside")}
+    keys = {o.outputs["run_key"] for o in outcomes.values()}
+    assert len(keys) == 1  # one training, by the run key
+    jobs = {}
+    for name, outcome in outcomes.items():
+        run, lines = stores_on_one_cluster[name]
+        client = MlflowClient(run.config.tracking_uri)
+        jobs[name] = client.get_run(outcome.mlflow_run_id).data.tags["omni.verl.submission_id"]
+        assert sorted(m.step for m in client.get_metric_history(outcome.mlflow_run_id, "train/loss")) == [1, 2, 3], name
+        store = Store(run.config.store)
+        assert checkpoint_steps(store, stage_prefix("laptop", outcome.outputs["run_key"], "sft")) == {3: True}, name
+        assert outcome.outputs["global_step"] == 3 and not outcome.outputs["reused"]
+    assert jobs["dev"] != jobs["prod"]  # its own job
+    assert jobs["beside"] == jobs["dev"]  # the same command: the same job, found finished
+    assert any(f"Ray Job {jobs['dev']} (SUCCEEDED)" in line for line in stores_on_one_cluster["beside"][1])
+    [key] = keys
+    submitted = [j.submission_id for j in ray_jobs.list_jobs()
+                 if (j.submission_id or "").startswith(f"omni-verl-laptop-sft-{key}-")]
+    assert sorted(submitted) == sorted({jobs["dev"], jobs["prod"]})
+    weights = {name: o.outputs["weights_sha256"] for name, o in outcomes.items()}
+    assert weights["dev"] == weights["prod"] == weights["beside"]  # seeded: one training, one result
+
+
+def test_a_job_that_logged_no_metric_fails_its_stage(stores_on_one_cluster):
+    """verl's own loggers overridden to the console: the job trains and succeeds, but the stage's run got
+    none of sft's `train/loss`, which is an error naming the metric and the file, not a silent pass."""
+    message = str(stores_on_one_cluster["quiet"])
+    assert "stage sft: verl job omni-verl-laptop-sft-" in message and "succeeded, but its MLflow run received none of " \
+        "train/loss" in message, message
+    assert "keep 'file' in trainer.logger" in message

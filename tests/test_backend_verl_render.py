@@ -48,14 +48,14 @@ def test_sft_command_is_torchrun_with_absolute_run_dir_and_user_overrides_last(t
     assert command.argv[:8] == ["/opt/verl/bin/python", "-m", "torch.distributed.run", "--standalone",
                                 "--nnodes=1", "--nproc_per_node=4", "-m", "verl.trainer.sft_trainer"]
     assert f"trainer.default_local_dir={tmp_path}/shared/runs/pipe/abc123/sft" in command.overrides
-    assert "trainer.logger=[console,mlflow]" in command.overrides
+    assert "trainer.logger=[console,file]" in command.overrides
     assert f"hydra.run.dir='{run_dir}/hydra/${{now:%Y-%m-%d_%H-%M-%S}}'" in command.overrides
     assert "trainer.max_ckpt_to_keep=3" in command.overrides
     assert "model.target_modules=[q_proj,v_proj]" in command.overrides
     assert command.overrides[-2:] == ["trainer.save_freq=7", "+model.override_config.attn_implementation=sdpa"]
     assert command.overrides.index("trainer.save_freq=2") < command.overrides.index("trainer.save_freq=7")
     assert command.env == {"VERL_LOGGING_LEVEL": "INFO"}
-    assert "'trainer.logger=[console,mlflow]'" in command.entrypoint  # shell-quoted for the Ray Job
+    assert "'trainer.logger=[console,file]'" in command.entrypoint  # shell-quoted for the Ray Job
     # the entry point prints verl's version first (the run's tag, without a second job), then trains
     probe, train = command.entrypoint.split(" && ")
     assert probe.startswith("/opt/verl/bin/python -c ") and "omni-verl-version=" in probe
@@ -134,7 +134,7 @@ def test_sft_on_gsm8k_answers_composes_and_validates(composed):
     assert sft["verl_version"] == "0.9.1"
     config = sft["config"]
     assert config["trainer"]["default_local_dir"] == f"{tmp}/shared/runs/gsm8k-sft/k1/sft"
-    assert config["trainer"]["logger"] == ["console", "mlflow"]
+    assert config["trainer"]["logger"] == ["console", "file"]
     assert config["trainer"]["total_training_steps"] == 5 and config["trainer"]["save_freq"] == 1
     assert config["trainer"]["max_ckpt_to_keep"] == 2 and config["trainer"]["resume_mode"] == "auto"
     assert config["data"]["train_files"] == GSM8K and config["data"]["messages_key"] == "messages"

@@ -83,6 +83,48 @@ def test_where_verl_runs_is_not_in_the_run_key_but_what_it_trains_is(tmp_path):
     d = validate_pipeline(native).stage("rl")
     assert rl_run_key(a, 0, "v1") == rl_run_key(b, 0, "v1")
     assert len({rl_run_key(s, 0, "v1") for s in (a, c, d)}) == 3
+    # backend.python left out is not dumped (an interpreter is decided when the job is rendered)
+    assert "python" not in a.backend.model_dump(mode="json") and b.backend.model_dump(mode="json")["python"]
+
+
+def test_a_custom_reward_file_is_verls_custom_reward_function_and_its_bytes_key_the_training(tmp_path):
+    """`reward: {name: path.py:function}` maps onto verl's custom reward function, read at a copy staged
+    on the shared path by its content; its bytes, like those of a reward file named in backend.overrides,
+    are part of the run key (an edited reward trains again, the same bytes at another path do not)."""
+    from omni_core.backends.verl.stage import command
+    from omni_core.storage import file_sha256
+
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def rotation(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    data = pipeline(tmp_path, rl={"reward": {"name": f"{reward}:rotation"}})
+    stage = validate_pipeline(data).stage("rl")
+    cmd = command(stage, pipeline="p", run_key="k", model="/m", train_files=["/d.parquet"], seed=0)
+    staged = tmp_path / "shared" / "rewards" / file_sha256(reward)[:16] / "my_reward.py"
+    assert f"reward.custom_reward_function.path={staged}" in cmd.overrides
+    assert "reward.custom_reward_function.name=rotation" in cmd.overrides
+    before = rl_run_key(stage, 0, "v1")
+    reward.write_text(reward.read_text().replace("1.0", "0.0"))  # edited in place: every response scores 0
+    assert rl_run_key(stage, 0, "v1") != before
+
+    # a reward file named in backend.overrides (verl's own keys) is keyed by its bytes too
+    other = tmp_path / "verl_reward.py"
+    other.write_text("def compute_score(*a, **k):\n    return 1.0\n")
+    overrides = [f"reward.custom_reward_function.path={other}", "reward.custom_reward_function.name=compute_score"]
+    by_override = validate_pipeline(pipeline(tmp_path, rl={"backend": {
+        **data["stages"][1]["backend"], "overrides": overrides}})).stage("rl")
+    assert by_override.backend.input_files() == [str(other)]
+    first = rl_run_key(by_override, 0, "v1")
+    other.write_text("def compute_score(*a, **k):\n    return 0.0\n")
+    assert rl_run_key(by_override, 0, "v1") != first
+
+    # refused at validation: a relative path (each worker has its own directory), a missing file
+    for path, expected in (("rel/reward.py", "give the reward file's absolute path"),
+                           (str(tmp_path / "gone.py"), "does not exist")):
+        error = error_of(pipeline(tmp_path, rl={"backend": {**data["stages"][1]["backend"],
+                                                           "overrides": [f"+reward.custom_reward_function.path={path}"]}}))
+        assert "stages.rl.backend.overrides:" in error and expected in error, error
+    error = error_of(pipeline(tmp_path, rl={"reward": {"name": f"{tmp_path / 'missing.py'}:rotation"}}))
+    assert "stages.rl.reward.name" in error and "missing.py" in error, error
 
 
 # ---- what verl cannot honour is a config error naming the key ------------------------------------------
@@ -180,7 +222,7 @@ def test_plan_and_dry_run_print_the_ray_jobs_without_running_anything(tmp_path):
     assert list(entries) == ["sft", "rl"]
     sft, rl = entries["sft"], entries["rl"]
     run_key = rl_run_key(validate_pipeline(data).stage("sft"), 0, version)
-    assert sft["run_key"] == run_key and sft["submission_id"] == f"omni-verl-verlp-sft-{run_key}"
+    assert sft["run_key"] == run_key and sft["submission_id"].startswith(f"omni-verl-verlp-sft-{run_key}-")
     shared = tmp_path / "shared"
     export = f"{shared}/datasets/gsm8k/{version}/sft"
     assert sft["stages"]["dataset"]["to"] == export
@@ -192,9 +234,13 @@ def test_plan_and_dry_run_print_the_ray_jobs_without_running_anything(tmp_path):
     assert "trainer.total_training_steps=2" in sft["overrides"]
     env = sft["runtime_env"]["env_vars"]
     assert env["AWS_SECRET_ACCESS_KEY"] == "<from the driver's $AWS_SECRET_ACCESS_KEY>"
-    assert env["MLFLOW_TRACKING_URI"] == data["tracking_uri"]
+    # the job logs through verl's file logger beside its checkpoints; the driver relays it into MLflow
+    assert env["VERL_FILE_LOGGER_PATH"] == f"{shared}/runs/verlp/{run_key}/sft/metrics/{sft['submission_id']}.jsonl"
+    assert "MLFLOW_TRACKING_URI" not in env
     # the grpo stage: its model is the sft stage's checkpoint, known only once that stage ran
-    assert rl["entrypoint"].split(" && ")[1].startswith("python3 -m verl.trainer.main_ppo ")
+    # backend.python left out: the job runs the interpreter the Hydra check composed its command with,
+    # this checkout's .venv-verl (one decision for both)
+    assert rl["entrypoint"].split(" && ")[1].startswith(f"{verl_python()} -m verl.trainer.main_ppo ")
     assert rl["overrides"][-1] == "actor_rollout_ref.rollout.gpu_memory_utilization=0.5"
     assert rl["stages"]["model"]["from"] == "<checkpoint of sft>" and rl["run_key"] is None
     assert f"{shared}/datasets/gsm8k/{version}/rl/train-00000.parquet" in rl["stages"]["dataset"]["files"]
@@ -226,3 +272,33 @@ def test_a_verl_stage_is_retried_by_the_orchestrator_max_failures_times(tmp_path
     native_config = validate_pipeline({**data, "stages": [native]})
     task = stage_task(native_config.stage("sft"))
     assert (task.retries, task.retry_delay_seconds) == (1, [5.0])
+
+
+TORCHRUN_TAIL = """Traceback (most recent call last):
+  File "/v/lib/python3.11/site-packages/torch/distributed/run.py", line 1032, in <module>
+    main()
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:{space}
+============================================================
+verl.trainer.sft_trainer FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : {code} (pid: 25187)
+{signal}  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def test_under_torchrun_the_ranks_own_exception_decides_a_retry():
+    """verl's sft_trainer runs under torchrun, whose job ends with ChildFailedError whatever the rank did:
+    the rank's own exception above it decides (a file it could not open: not retried), and a rank killed
+    by a signal (a lost node, the OOM killer) is retried."""
+    from omni_core.backends.jobs.job import permanent_failure
+
+    rank_error = "FileNotFoundError: [Errno 2] No such file or directory: '/shared/runs/p/k/sft/metrics/j.jsonl'\n"
+    failed = permanent_failure(rank_error + TORCHRUN_TAIL.format(code=1, signal="", space=" "))
+    assert failed is not None and failed.startswith("a file the job reads does not exist: FileNotFoundError")
+    killed = TORCHRUN_TAIL.format(code=-9, space=" ", signal="  error_file: <N/A>\n  Signal 9 (SIGKILL) received by PID 25187\n")
+    assert permanent_failure(rank_error + killed) is None
+    assert permanent_failure("Traceback (most recent call last):\nRuntimeError: NCCL timeout\n") is None

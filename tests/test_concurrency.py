@@ -278,7 +278,7 @@ def test_a_sweep_of_four_runs_at_once_on_the_embedded_default(tmp_path: Path, mo
     """As a user would: four `omni run` started together in one folder, on its ./.omni store, sqlite
     MLflow database and Prefect home, all fresh (created by whichever run comes first), and omni's
     local Prefect server (the default: one started for the four, stopped at the end). The runs share
-    one Ray started with `ray start --head` (`ray.address`), as the README advises for a sweep: four
+    one Ray started with `ray start --head` (`ray.address`), as docs/concepts/concurrency.md advises for a sweep: four
     local Rays starting at once on a busy 2-core machine miss Ray's own start-up timeout."""
     monkeypatch.setenv("OMNI_CACHE_DIR", str(model_cache))  # the Ray nodes' environment: actors find the models
     cluster = start_cluster(head_cpus=8)

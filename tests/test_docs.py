@@ -4,7 +4,7 @@
   `DESIGN.md`): cite `docs/reference.md section N` or `docs/design.md`;
 - every `docs/reference.md section N` (or `sections N, M`, `section N.M`) names a section that
   docs/reference.md has (`## N. ...` / `### N.M ...`);
-- every relative link in README.md and docs/*.md points at a file that exists (and, into a
+- every relative link in README.md and docs/**/*.md points at a file that exists (and, into a
   markdown file, at a heading it has).
 
 Fast: reads files, starts nothing. Each test lists every offender, not only the first.
@@ -98,7 +98,7 @@ def test_every_cited_reference_section_exists():
 
 
 def test_relative_links_in_readme_and_docs_resolve():
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     broken = []
     for page in pages:
         text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.M | re.S)

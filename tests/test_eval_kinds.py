@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from browser import chromium, dump_dom
+from browser import chromium, dump_dom, visible_text
 from mlflow.tracking import MlflowClient
 from mlflow_server import ui_server
 from pipeline_runs import run_in_order
@@ -191,13 +191,6 @@ def test_lora_diffusion_checkpoint_and_the_baseline_gate(env: Path, tmp_path_fac
     assert float(version.tags["omni.baseline_gain"]) == pytest.approx(metrics["val/reward_mean_gain"])
     with pytest.raises(Exception, match="champion"):
         client.get_model_version_by_alias(registered["model_name"], "champion")
-
-
-def visible_text(dom: str) -> str:
-    import html
-
-    text = re.sub(r"<script.*?</script>|<style.*?</style>", " ", dom, flags=re.S)
-    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", text)))
 
 
 @pytest.mark.skipif(chromium() is None, reason="chromium is not installed (make setup installs it)")

@@ -147,3 +147,17 @@ def test_eval_refuses_what_it_cannot_score(stage: dict[str, Any], expected: str)
                                       "digits": {"source": "fixtures://digits?rows=8", "converter": "digits"}},
             "stages": [{"name": "flow", "kind": "rl", "model": "tiny://sd3", "data": "ocr",
                         "algorithm": {"name": "flow_grpo"}}, stage]})
+
+
+def test_a_custom_reward_reaches_the_eval_job_by_its_absolute_path(tmp_path, monkeypatch) -> None:
+    """The eval's work runs as a Ray task, or a Ray Job on a cluster's job server, in another working
+    directory: a `path.py:function` reward relative to where omni runs is handed over absolute (seen:
+    `omni init verl`'s eval failed with 'file v/reward.py does not exist' on a job server)."""
+    from omni_core.pipeline.stages.eval import absolute_reward
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "reward.py").write_text("def compute_score(*args, **kwargs):\n    return 1.0\n")
+    assert absolute_reward("proj/reward.py:compute_score") == f"{tmp_path / 'proj' / 'reward.py'}:compute_score"
+    assert absolute_reward("gsm8k") == "gsm8k" and absolute_reward(None) is None
+    assert absolute_reward("missing.py:f") == "missing.py:f"  # the job names the missing file

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from test_backend_verl_stage import error_of, pipeline
 
+from omni_core.backends.jobs.metrics import MetricsMissing
 from omni_core.backends.jobs.validation import trainer_metrics, with_overrides
 from omni_core.config import load_pipeline, validate_pipeline
 from omni_core.pipeline.plan import format_plan, plan_pipeline
@@ -65,6 +66,9 @@ def test_the_plan_shows_verls_val_only_job(tmp_path):
             "actor_rollout_ref.rollout.val_kwargs.temperature=0.0",
             "actor_rollout_ref.rollout.val_kwargs.do_sample=false"} <= set(overrides)
     assert "actor_rollout_ref.model.path='<checkpoint of rl>'" in overrides
+    # verl dumps the validated rows beside the job's run folder (logged as the eval run's artifacts)
+    [dumped] = [o for o in overrides if o.startswith("trainer.validation_data_dir=")]
+    assert dumped.rstrip("'").endswith("/generations")
     text = format_plan([entry])
     assert "trainer.val_only=true" in text and "stages model: <checkpoint of rl>" in text
     assert "global_step_N" not in text  # nothing is saved by a validation
@@ -85,7 +89,7 @@ def test_the_verl_omni_example_validates_its_recipe_checkpoint_with_the_recipes_
     # the recipe's own validation sampling (the published 0.833 is measured with it)
     assert {"actor_rollout_ref.rollout.val_kwargs.n=1", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
             "actor_rollout_ref.rollout.val_kwargs.top_p=0.7"} <= set(overrides)
-    assert entry["runtime_env"]["env_vars"]["MLFLOW_RUN_ID"] == "<the eval stage's MLflow run>"
+    assert entry["runtime_env"]["env_vars"]["VERL_FILE_LOGGER_PATH"].endswith("/<submission id>.jsonl")
     # sampling set on the eval stage replaces the recipe's
     greedy = load_pipeline(REPO / "configs" / "verl_omni_mmk12_gspo.yaml", ["stages.eval.greedy=true"])
     overrides = {e["name"]: e for e in plan_pipeline(greedy)}["eval"]["overrides"]
@@ -103,7 +107,7 @@ def test_verls_metric_names_become_ours():
     assert metrics["val/reward_mean"] == pytest.approx((0.5 + 0.3) / 2)
     dpo = trainer_metrics({"val/reward_accuracy": 0.75, "val/dpo_loss": 0.6}, "job")
     assert dpo == {"val/reward_accuracy": 0.75, "val/dpo_loss": 0.6}  # pairs: no reward mean made up
-    with pytest.raises(RuntimeError, match="logged no validation metric"):
+    with pytest.raises(MetricsMissing, match="logged no validation metric"):
         trainer_metrics({"train/loss": 1.0}, "job-1")
 
 

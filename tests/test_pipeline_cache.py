@@ -150,6 +150,13 @@ def store_a(prefect_api: Any, reward: Path, tmp_path_factory: pytest.TempPathFac
                                          "datasets.digits_extra.source=fixtures://digits?rows=6&seed=1")
     runs["force_extra"] = run_pipeline(prefect_api, config, force=("extra",))
     runs["force_rl"] = force_rl_without_training(prefect_api, config)
+    # the reward file edited in place (the same path, other bytes): every response now scores 0
+    original = reward.read_text()
+    reward.write_text(original + "\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    try:
+        runs["reward_edited"] = run_pipeline(prefect_api, config)
+    finally:
+        reward.write_text(original)
     return {"config": config, "workdir": workdir, **runs}
 
 
@@ -254,6 +261,24 @@ def test_a_changed_config_reruns_that_stage_and_its_dependents(store_a: dict) ->
     assert changed.stage("rl")["outputs"]["reused"] and digests(changed)["weights"] == digests(first)["weights"]
     # and its reward curve is the one of the MLflow run that trained that checkpoint
     assert changed.stage("rl")["report"]["reward_curve"]["mlflow_run_id"] == first.stage("rl")["mlflow_run_id"]
+
+
+def test_an_edited_reward_file_trains_the_stage_again(store_a: dict) -> None:
+    """The reward file's bytes are in the rl stage's cache key and in its run key: after an edit (same
+    path) the stage is not a cache hit, and it trains (a checkpoint of another run key), rather than
+    finding the checkpoint the old reward trained."""
+    from omni_core.training.checkpoint import stage_prefix
+
+    first, edited = store_a["first"], store_a["reward_edited"]
+    assert edited.ran() == {"rl"} and edited.cached() == {"gsm8k", "digits", "extra"}
+    rl, before = edited.stage("rl"), first.stage("rl")
+    assert rl["cache_key"] != before["cache_key"]
+    assert "reward_file_sha256" in json.dumps(json.loads(Path(rl["record_uri"]).read_text())["key_inputs"])
+    assert rl["outputs"]["run_key"] != before["outputs"]["run_key"] and not rl["outputs"]["reused"]
+    assert rl["outputs"]["global_step"] == 2
+    # every score 0: no advantage, no gradient; the checkpoint is its own, committed under the new run key
+    assert rl["outputs"]["checkpoint_uri"].startswith(
+        str(store_a["workdir"] / "store" / stage_prefix("cache-test", rl["outputs"]["run_key"], "rl")))
 
 
 def test_force_redoes_a_stage_and_only_the_dependents_whose_inputs_change(store_a: dict) -> None:

@@ -84,7 +84,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Any:
             for db in ("prefect", "mlflow", "mlflow_auth"):
                 pg.createdb(db)
             prefect_ = pool.submit(kept, prefect_server, folder / "prefect", pg.url("prefect", "postgresql+asyncpg"),
-                                   secrets_["prefect"])
+                                   secrets_["prefect"], compose_prefect_ui())
             moto = moto_.result()
             secrets_["s3"] = moto.secret_access_key
             s3 = moto.client_env()
@@ -115,6 +115,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Any:
     finally:
         for stop_ in reversed(started):
             stop_()
+
+
+def compose_prefect_ui() -> dict[str, str]:
+    """The UI settings infra/compose/compose.yaml gives its Prefect server, UI on."""
+    compose = yaml.safe_load((ROOT / "infra" / "compose" / "compose.yaml").read_text())
+    env = compose["services"]["prefect-server"]["environment"]
+    return {"PREFECT_UI_ENABLED": "true", **{k: str(v) for k, v in env.items() if k.startswith("PREFECT_UI_")}}
 
 
 def start_worker(stack: dict) -> None:
@@ -237,6 +244,25 @@ def test_unauthenticated_calls_are_refused(stack: dict) -> None:
     assert httpx.get(f"{stack['mlflow'].url}/api/2.0/mlflow/experiments/search?max_results=1",
                      timeout=60).status_code == 401
     assert httpx.get(f"{stack['cluster'].job_server}/api/jobs/", timeout=30).status_code == 401
+
+
+def test_the_prefect_ui_calls_the_api_at_the_address_the_browser_used(stack: dict) -> None:
+    """The stack's Prefect UI (compose's settings) finds its API wherever a browser reached it (the
+    address the link names, another name of the host): its ui-settings' api_url, resolved against the
+    page as the UI's fetch does, is that address's API, which (after the UI's login) lists what `omni
+    deploy` registered, the deployment the UI's Run button starts. Unset, the api_url named
+    http://127.0.0.1:4200/api, where no server is."""
+    from urllib.parse import urljoin
+
+    server = stack["prefect"].url.removesuffix("/api")
+    user, password = stack["prefect"].auth.split(":", 1)
+    for address in (server, server.replace("127.0.0.1", "localhost")):
+        settings = httpx.get(f"{address}/ui-settings", timeout=30).json()
+        assert settings["auth"] == "BASIC"  # the UI asks for the login first
+        api = urljoin(f"{address}/runs", settings["api_url"])
+        assert api == f"{address}/api", settings
+        deployments = httpx.post(f"{api}/deployments/filter", json={}, auth=(user, password), timeout=30).json()
+        assert "local" in {d["name"] for d in deployments}, deployments
 
 
 def test_a_deployment_run_on_the_stack_completes_on_the_cluster(stack: dict, sweep: dict) -> None:

@@ -23,6 +23,8 @@ A record holds everything the rest of the platform needs to know about an algori
   section; a section left out is not read, and setting its keys is an error); `defaults`: its own
   defaults for those keys (`"trainer.lr": 1e-3`).
 - `progress`: the metrics shown on each step's progress line, with their short labels.
+- `metrics`: every metric its trainer logs per step, with its meaning (the docs' metric reference is
+  generated from these and RUNNER_METRICS; the tutorials' test checks a run logs no other).
 
 Policy losses are open too: a function decorated with `@register_policy_loss(NAME)`
 (omni_core.algorithms.policy_loss) is usable as `algorithm: {name: NAME}` with the policy-gradient
@@ -35,7 +37,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from omni_core.errors import ConfigError
@@ -70,7 +72,7 @@ class AlgorithmOptions(BaseModel):
     fails naming where it goes; any other unknown key fails as unknown."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str
+    name: str = Field(description="The algorithm.")
     set_elsewhere: ClassVar[dict[str, str]] = SET_ELSEWHERE
 
     @model_validator(mode="before")
@@ -112,6 +114,7 @@ class Algorithm:
     stage_keys: dict[str, tuple[str, ...] | str] = field(default_factory=dict)
     defaults: dict[str, Any] = field(default_factory=dict)
     progress: tuple[tuple[str, str], ...] = ()
+    metrics: dict[str, str] = field(default_factory=dict)  # name -> meaning, per step
     # "module:function" returning more names this record trains (the GRPO record: every registered policy loss)
     more_names: str | None = None
 
@@ -124,9 +127,16 @@ class Algorithm:
         return resolve(self.trainer, f"algorithm {self.name}: trainer")(stage, rows, seed, **parts)
 
 
+# What the stage runner logs per step for every algorithm (omni_core/training/runner.py)
+RUNNER_METRICS = {
+    "timing_s/step": "wall seconds of the step",
+    "timing_s/save_checkpoint": "seconds to commit a checkpoint, on the steps that save one",
+    "training/recoveries": "restarts after a lost actor or a failed checkpoint write so far (logged when one happens)",
+}
+
 _ALGORITHMS: Registry[Algorithm] = Registry(
     "algorithm", hint="add a module with register_algorithm(Algorithm(...)) to omni_core/training/algorithms/ "
-                      "or to a plugin package (README: Extending), or a policy loss with @register_policy_loss(NAME)")
+                      "or to a plugin package (docs/concepts/plugins.md), or a policy loss with @register_policy_loss(NAME)")
 
 
 def register_algorithm(record: Algorithm, *aliases: str) -> Algorithm:

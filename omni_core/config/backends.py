@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omni_core.config.algorithms import resolve
 from omni_core.registry import Registry
@@ -28,7 +28,7 @@ class BackendOptions(BaseModel):
     """The base of every backend's options model (`backend: {name: NAME, ...}`)."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str
+    name: str = Field(description="The backend.")
     # keys that say where and how the backend runs, not what it trains: left out of the run key
     run_key_excluded: ClassVar[frozenset[str]] = frozenset()
     # the backend decides what the stage's keys mean (a recipe): the algorithm's key checks do not apply,
@@ -48,6 +48,11 @@ class BackendOptions(BaseModel):
         """The options' dump as the run key holds it."""
         return {k: v for k, v in dumped.items() if k not in self.run_key_excluded}
 
+    def input_files(self) -> list[str]:
+        """Files the options name whose bytes determine the training (e.g. a reward file given to the
+        trainer in its own overrides): their sha256 is part of the stage's cache key and run key."""
+        return []
+
 
 @dataclass(frozen=True)
 class BackendRecord:
@@ -59,7 +64,7 @@ class BackendRecord:
 
 
 _BACKENDS: Registry[BackendRecord] = Registry(
-    "backend", hint="register one with register_backend(BackendRecord(...)) in a plugin package (README: Extending)")
+    "backend", hint="register one with register_backend(BackendRecord(...)) in a plugin package (docs/concepts/plugins.md)")
 
 
 def register_backend(record: BackendRecord) -> BackendRecord:
@@ -130,4 +135,4 @@ def describe_backends(schema: dict[str, Any]) -> None:
     """JSON-schema hook of the `backend:` field: its description lists the registered backends."""
     schema["description"] = "; ".join(
         f"{name}: {record.description}" if record.description else name for name, record in _BACKENDS.items()) \
-        + f" (default {DEFAULT_BACKEND}; README: Running on verl)."
+        + f" (default {DEFAULT_BACKEND}; docs/verl.md)."

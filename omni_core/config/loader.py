@@ -10,7 +10,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from omni_core.config.models import DatasetConfig, PipelineConfig
+from omni_core.config.algorithms import get_algorithm
+from omni_core.config.backends import get_backend_record
+from omni_core.config.models import _STAGE_CONFIGS, DatasetConfig, PipelineConfig
 from omni_core.config.names import name_problem
 from omni_core.errors import ConfigError
 
@@ -178,6 +180,7 @@ def _format_error(err: dict[str, Any], data: dict[str, Any]) -> str:
     message = err["msg"].removeprefix("Value error, ")
     if not parts:
         return message  # model-level checks already name their key path
+    about = field_description(loc, data) if err["type"] not in ("missing", "extra_forbidden") else None
     if err["type"] == "union_tag_invalid":
         expected = err.get("ctx", {}).get("expected_tags", "")
         return f"{'.'.join(parts)}.kind: unknown stage kind {err['ctx'].get('tag')!r} (known: {expected})"
@@ -185,7 +188,57 @@ def _format_error(err: dict[str, Any], data: dict[str, Any]) -> str:
         message = "unknown key (remove it or check its spelling)"
     elif err["type"] not in ("missing", "value_error", "unknown_stage_kind") and "input" in err:
         message += f" (got {err['input']!r})"
+    if about:
+        message += f". {parts[-1]}: {about.rstrip('.')}"
     return f"{'.'.join(parts) or 'pipeline'}: {message}"
+
+
+def field_description(loc: list[Any] | tuple[Any, ...], data: Any) -> str | None:
+    """The description of the field at `loc` (the one the docs' reference shows), following the pipeline
+    as written: a stage's kind picks its model, an `algorithm:` or `backend:` its name's options, a
+    dataset's key DatasetConfig."""
+    model: Any = PipelineConfig
+    node: Any = data
+    field = None
+    keyed = False  # the next key is a name in a mapping of models (datasets: NAME)
+    for key in loc:
+        if isinstance(node, list) and isinstance(key, int):  # a stage
+            node = node[key] if key < len(node) else None
+            kind = node.get("kind") if isinstance(node, dict) else None
+            model = _STAGE_CONFIGS.get(kind, None) if isinstance(kind, str) else None
+            continue
+        if keyed:
+            node, keyed = node.get(key) if isinstance(node, dict) else None, False
+            continue
+        if model is None or not isinstance(key, str) or key not in model.model_fields:
+            return None
+        field = model.model_fields[key]
+        node = node.get(key) if isinstance(node, dict) else None
+        model, keyed = _model_of(key, field, node)
+    return field.description if field is not None else None
+
+
+def _model_of(key: str, field: Any, value: Any) -> tuple[Any, bool]:
+    """The model a field's value is parsed by (its annotation's, or the chosen algorithm's / backend's),
+    and whether the value is a mapping of names to that model."""
+    from typing import get_args, get_origin
+
+    from pydantic import BaseModel
+
+    name = value.get("name") if isinstance(value, dict) else None
+    try:
+        if key == "algorithm" and name:
+            return get_algorithm(str(name)).options, False
+        if key == "backend" and name:
+            return get_backend_record(str(name)).options, False
+    except ConfigError:
+        return None, False
+    annotation = field.annotation
+    keyed = get_origin(annotation) is dict
+    for arg in (annotation, *get_args(annotation)):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg, keyed
+    return None, keyed
 
 
 def config_digest(config: Any) -> str:

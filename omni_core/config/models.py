@@ -135,7 +135,9 @@ MEDIA_LIMIT_KEYS = ("max_image_pixels", "max_audio_seconds", "max_video_seconds"
 
 
 class StageBase(Strict):
-    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH)
+    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH,
+                      description="The stage's name, unique in the pipeline; overrides address it "
+                                  "(stages.NAME.key=value). One path segment: letters, digits, _, ., -.")
     after: list[str] = Field(default_factory=list, description="Stages that must finish first.")
 
     @field_validator("data", check_fields=False)
@@ -155,17 +157,19 @@ class StageBase(Strict):
 
 
 class IngestStage(StageBase):
-    kind: Literal["ingest"] = "ingest"
+    kind: Literal["ingest"] = Field("ingest", description="Converts raw datasets into versioned Parquet in the store.")
     datasets: list[str] = Field(min_length=1, description="Keys of `datasets:` to ingest.")
     workers: int = Field(1, ge=1, description="Processes converting rows in parallel.")
 
 
 class BuildImagesStage(StageBase):
-    kind: Literal["build_images"] = "build_images"
+    kind: Literal["build_images"] = Field("build_images", description="Builds container images under "
+                                                                      "content-addressed tags.")
     targets: list[str] = Field(min_length=1, description="cuda, ascend, or image spec files (.yaml/.json).")
-    push: bool = False
+    push: bool = Field(False, description="Push each image to the registry once built.")
     registry: str | None = Field(None, description="HOST[:PORT][/NAMESPACE]; default $OMNI_IMAGE_REGISTRY.")
-    builder: Literal["auto", "buildah", "docker"] = "auto"
+    builder: Literal["auto", "buildah", "docker"] = Field(
+        "auto", description="The image builder; auto: docker buildx where it runs, else buildah.")
 
 
 # ---- the training stages (rl, sft) --------------------------------------------------------------
@@ -184,9 +188,10 @@ _BACKEND_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "object", "properties"
 
 class RolloutConfig(Strict):
     n: int = Field(4, ge=1, description="Responses per prompt (the GRPO group size).")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollout.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens whose "
+                                                      "probabilities add up to top_p.")
+    max_new_tokens: int = Field(32, ge=1, description="Longest response in tokens.")
     max_num_seqs: int = Field(256, ge=1, description="Most sequences the rollout engine (ARengine) generates "
                                                       "together; a larger step batch runs in several batches.")
     step_execution: bool = Field(False, description="Rollout engine scheduling: false = request-level batches, "
@@ -198,11 +203,11 @@ class RewardConfig(Strict):
 
 
 class TrainerConfig(Strict):
-    total_steps: int = Field(3, ge=1)
-    batch_size: int = Field(4, ge=1, description="Prompts per step.")
-    lr: float = Field(1e-4, gt=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    max_prompt_tokens: int = Field(256, ge=8)
+    total_steps: int = Field(3, ge=1, description="Training steps (one batch each).")
+    batch_size: int = Field(4, ge=1, description="Prompts per step (preference pairs for dpo/mpo).")
+    lr: float = Field(1e-4, gt=0, description="Learning rate (AdamW).")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this norm.")
+    max_prompt_tokens: int = Field(256, ge=8, description="Prompts are truncated to this many tokens.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch (verl actor.ppo_epochs).")
     ppo_mini_batch_size: int | None = Field(
         None, ge=1, description="Prompts per optimizer step within a pass (with their n responses); "
@@ -213,9 +218,9 @@ class LoraConfig(Strict):
     """LoRA on the trained model (omni_core.models.lora.LoraSpec); then only adapter weights train and
     are saved. `target_modules`: module-name suffixes, or one regex matching whole module names."""
 
-    rank: int = Field(8, gt=0)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    rank: int = Field(8, gt=0, description="Rank of the adapter matrices.")
+    alpha: float = Field(16.0, gt=0, description="Scaling: the adapter's update is multiplied by alpha / rank.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
     target_modules: list[str] | str | None = Field(None, description="Default: the adapter's targets.")
 
 
@@ -253,15 +258,19 @@ class ExecutionConfig(Strict):
     version the trainer pushed (every parameter_sync_step steps): up for `wait`, down for `drop`, where a
     batch staler than max_staleness is dropped. The schedule depends on k only, never on timing."""
 
-    mode: Literal["sync", "separate_async"] = "sync"
+    mode: Literal["sync", "separate_async"] = Field(
+        "sync", description="sync: generate, score and train in sequence; separate_async: rollout workers generate "
+                            "the next batches while the trainer trains.")
     parameter_sync_step: int = Field(1, ge=1, description="Push weights to the rollout workers every N steps.")
     max_staleness: int = Field(1, ge=0, description="separate_async: how many policy versions a batch may lag.")
-    staleness_policy: Literal["wait", "drop"] = "wait"
+    staleness_policy: Literal["wait", "drop"] = Field(
+        "wait", description="separate_async: a batch waits for fresh enough weights (wait), or a too stale batch is "
+                            "generated but not trained on (drop).")
     async_reward: bool = Field(True, description="Score on reward workers while the next rollout runs; "
                                                  "false: the rollout worker scores its own batch (as one inside the "
                                                  "trainer does in sync mode).")
-    rollout_workers: int = Field(1, ge=1)
-    reward_workers: int = Field(1, ge=1)
+    rollout_workers: int = Field(1, ge=1, description="Rollout worker actors (each with its own policy copy).")
+    reward_workers: int = Field(1, ge=1, description="Reward worker actors.")
     max_failures: int = Field(3, ge=0, description="Restarts from the latest checkpoint after a lost actor or a "
                                                    "failed checkpoint write before the stage fails.")
     retry_backoff_s: float = Field(2.0, ge=0, description="Wait before a restart (doubles each time).")
@@ -304,7 +313,8 @@ class RLStage(StageBase):
     """A training stage: `kind: rl` (an RL or preference algorithm) or `kind: sft` (supervised
     fine-tuning; `algorithm:` defaults to sft). Both run on Ray with checkpoints and resume."""
 
-    kind: Literal["rl", "sft"] = "rl"
+    kind: Literal["rl", "sft"] = Field("rl", description="rl: RL or preference training; sft: supervised "
+                                                          "fine-tuning (algorithm sft).")
     model: str | ModelFrom = Field(
         "tiny://lm", description="Model URI: tiny://NAME, a save_pretrained folder, s3://..., org/name; or "
                                  "{from: STAGE}: the final checkpoint of an upstream sft or rl stage.")
@@ -316,19 +326,24 @@ class RLStage(StageBase):
     data: str = Field(description="Dataset key, optionally with a split: `gsm8k` or `gsm8k:train`.")
     algorithm: Annotated[SerializeAsAny[AlgorithmOptions], WithJsonSchema(_ALGORITHM_SCHEMA)] = Field(
         default=None, validate_default=True,  # type: ignore[arg-type]
+        description="The training algorithm and its options (default: grpo for rl, sft for sft).",
         json_schema_extra=describe_algorithms)  # its description lists the registered algorithms
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig,
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig,
+                                   description="How responses (images) are sampled during training.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="What scores the samples.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Steps, batch and optimizer.",
                                    json_schema_extra=describe_trainer_defaults)  # the records' defaults
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved for the trainer actor (resources.trainer.CPU).")
-    execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    execution: ExecutionConfig = Field(default_factory=ExecutionConfig,
+                                       description="How the stage's Ray actors run and recover.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
+                                         description="When checkpoints are saved and where a restart resumes.")
     resources: dict[Literal["trainer", "rollout", "reward"], dict[str, Annotated[float, Field(ge=0)]]] = Field(
         default_factory=dict, description="Ray resources per role, e.g. {rollout: {CPU: 1, GPU: 1}}; defaults: "
                                           "trainer CPU num_cpus, rollout CPU 1, reward CPU 0.")
     backend: Annotated[str | SerializeAsAny[BackendOptions], WithJsonSchema(_BACKEND_SCHEMA)] = Field(
-        DEFAULT_BACKEND, json_schema_extra=describe_backends)  # its description lists the registered backends
+        DEFAULT_BACKEND, description="The trainer that runs the stage: a backend's name, or its options with name.",
+        json_schema_extra=describe_backends)  # its description lists the registered backends
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -498,7 +513,7 @@ class EvalStage(StageBase):
     checkpoint's logged model. `baseline: true` scores the stage's starting model too, on the same rows
     and seeds."""
 
-    kind: Literal["eval"] = "eval"
+    kind: Literal["eval"] = Field("eval", description="Scores an upstream training stage's checkpoint.")
     checkpoint_from: str | None = Field(None, description="The rl or sft stage whose checkpoint is scored; "
                                                           "default: the nearest upstream one.")
     data: str = Field(description="Dataset key with a split: `gsm8k:test` (split default: test).")
@@ -517,10 +532,10 @@ class EvalStage(StageBase):
                                               "and seeds: `<metric>_baseline` and `<metric>_gain` metrics.")
     n: int = Field(1, ge=1, description="Responses (images) per prompt (metrics are mean@n).")
     greedy: bool = Field(True, description="Greedy decoding; false samples with temperature and top_p.")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(32, ge=1)
-    max_prompt_tokens: int = Field(256, ge=8)
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature when greedy is false.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling when greedy is false.")
+    max_new_tokens: int = Field(32, ge=1, description="Longest response in tokens.")
+    max_prompt_tokens: int = Field(256, ge=8, description="Prompts are truncated to this many tokens.")
     num_steps: int | None = Field(None, ge=1, description="Diffusion: denoising steps; default: the trained "
                                                           "stage's algorithm.num_steps.")
     guidance_scale: float | None = Field(None, ge=1.0, description="Diffusion: True-CFG weight; default: the "
@@ -584,12 +599,13 @@ class RegisterStage(StageBase):
     alias `candidate` on it, and moves `champion` to it when `metric` beats the champion's by more than
     `margin`."""
 
-    kind: Literal["register"] = "register"
+    kind: Literal["register"] = Field("register", description="Registers the scored checkpoint in MLflow's model "
+                                                              "registry.")
     model_name: str = Field(min_length=1, description="Registered model name in the MLflow model registry.")
     eval_from: str | None = Field(None, description="The eval stage whose result is registered; "
                                                     "default: the nearest upstream eval stage.")
     metric: str = Field("val/reward_mean", description="Eval metric that decides the promotion to champion.")
-    greater_is_better: bool = True
+    greater_is_better: bool = Field(True, description="false: a lower metric is better (a loss).")
     margin: float = Field(0.0, ge=0, description="How much the new score must beat the champion's by.")
     min_gain_over_baseline: float | None = Field(
         None, description="Also require the score to beat the eval's baseline (its starting model, eval "
@@ -654,7 +670,7 @@ AnyStage = IngestStage | BuildImagesStage | RLStage | EvalStage | RegisterStage 
 
 _STAGE_CONFIGS: Registry[type[StageBase]] = Registry(
     "stage kind", hint="register its config model with register_stage_config and its runner with register_stage "
-                       "(README: Extending)")
+                       "(docs/concepts/plugins.md)")
 
 
 def register_stage_config(model: type[StageBase], *kinds: str) -> type[StageBase]:
@@ -702,13 +718,19 @@ register_stage_config(RLStage, *TRAINING_KINDS)
 
 
 class PipelineConfig(Strict):
-    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH)
-    store: str = ".omni/store"
-    tracking_uri: str = "sqlite:///.omni/mlflow.db"
-    ray: RayConfig = Field(default_factory=RayConfig)
-    seed: int = 0
-    datasets: dict[str, DatasetConfig] = Field(default_factory=dict)
-    stages: list[Stage] = Field(min_length=1, json_schema_extra=_describe_stages)
+    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH,
+                      description="The pipeline's name: its MLflow experiment and its folder under runs/ in the store.")
+    store: str = Field(".omni/store", description="Where datasets and checkpoints go: a path, file://... or "
+                                                  "s3://bucket/prefix.")
+    tracking_uri: str = Field("sqlite:///.omni/mlflow.db", description="MLflow: a sqlite:/// database or a tracking "
+                                                                        "server's http(s):// URL.")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Which Ray runs the stages.")
+    seed: int = Field(0, description="Seeds sampling, initialisation and data order: the same seed and inputs give "
+                                     "the same digests and weights.")
+    datasets: dict[str, DatasetConfig] = Field(default_factory=dict,
+                                               description="Raw datasets by key; stages name them by that key.")
+    stages: list[Stage] = Field(min_length=1, description="The stages; they run in the order their after: lists give.",
+                                json_schema_extra=_describe_stages)
 
     @field_validator("datasets", mode="before")
     @classmethod

@@ -5,6 +5,15 @@ from __future__ import annotations
 from omni_core.data import DatasetVersion
 from omni_core.lineage.tracking import Tracker
 
+# What an ingest stage logs per dataset version (the docs' metric reference lists these)
+INGEST_METRICS = {
+    "{dataset}/read": "raw rows read",
+    "{dataset}/rows": "rows written to the version",
+    "{dataset}/rows/{split}": "rows written, per split",
+    "{dataset}/quarantined": "rows rejected, kept in quarantine.parquet with a reason",
+    "{dataset}/skipped": "rows skipped on purpose (counted, not kept)",
+}
+
 
 def log_dataset_version(tracker: Tracker, run_id: str, dv: DatasetVersion, context: str,
                         with_manifest: bool = False) -> None:

@@ -80,6 +80,13 @@ def reward_for_data_source(data_source: str) -> RewardFn:
         raise ConfigError(f"no reward registered for data_source {data_source!r}; {_known()}") from None
 
 
+def custom_reward_file(spec: str | None) -> Path | None:
+    """The file of a custom `path/to/file.py:function` reward when it exists (its bytes key the stages
+    that use it), else None."""
+    path, sep, _ = (spec or "").rpartition(":")
+    return Path(path).expanduser() if sep and path.endswith(".py") and Path(path).expanduser().is_file() else None
+
+
 def get_reward(spec: str) -> RewardFn:
     """The reward function for a registered name, a data_source, or `path/to/file.py:function`."""
     if spec in _BY_NAME:
@@ -90,12 +97,6 @@ def get_reward(spec: str) -> RewardFn:
     if sep and path.endswith(".py"):
         return _load_custom(Path(path).expanduser(), func, spec)
     raise ConfigError(f"unknown reward {spec!r}; {_known()}; or give a custom reward as 'path/to/file.py:function'")
-
-
-def custom_reward_file(spec: str) -> Path | None:
-    """The file of a custom `path.py:function` reward spec when it exists (its bytes key what it trains), else None."""
-    path, sep, _ = spec.rpartition(":")
-    return Path(path).expanduser() if sep and path.endswith(".py") and Path(path).expanduser().is_file() else None
 
 
 def _load_custom(path: Path, func: str, spec: str) -> RewardFn:

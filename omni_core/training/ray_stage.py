@@ -26,6 +26,7 @@ from omni_core.config.models import (
 from omni_core.data.ingest import read_rows
 from omni_core.errors import DataError
 from omni_core.media_limits import MediaLimits, check_rows
+from omni_core.rewards.registry import custom_reward_file
 from omni_core.storage import Store, file_sha256
 from omni_core.training.checkpoint import latest_checkpoint, stage_prefix, weights_digest
 from omni_core.training.ray_env import init_ray, is_local
@@ -45,10 +46,7 @@ class RLStageResult:
 
 def run_key_payload(stage: RLStage, seed: int, dataset_version: str) -> dict[str, Any]:
     """What determines the trained weights: the stage without the keys that only change how it runs
-    (`RUN_KEY_EXCLUDED`: resources, checkpoint cadence, restarts), the seed, the dataset version, and the
-    bytes of a custom reward file (the same path with other code trains other weights)."""
-    from omni_core.rewards.registry import custom_reward_file
-
+    (`RUN_KEY_EXCLUDED`: resources, checkpoint cadence, restarts), the seed and the dataset version."""
     spec = stage.model_dump(mode="json", exclude=set(RUN_KEY_EXCLUDED))
     spec["execution"] = {k: v for k, v in spec["execution"].items() if k not in RUN_KEY_EXCLUDED_EXECUTION}
     if isinstance(spec.get("model"), dict):  # `model: {from: STAGE}`: the upstream weights' digest, not where they are
@@ -56,9 +54,20 @@ def run_key_payload(stage: RLStage, seed: int, dataset_version: str) -> dict[str
     if isinstance(spec.get("backend"), dict):  # the backend's rules: where it runs (interpreter, shared path, env) is out
         spec["backend"] = stage.backend.run_key_options(spec["backend"])
     payload = {"stage": spec, "seed": seed, "dataset_version": dataset_version}
-    if "reward" in spec and (path := custom_reward_file(spec["reward"]["name"])) is not None:
-        payload["reward_file_sha256"] = file_sha256(path)
+    # the bytes of the files the training reads besides its data (a custom reward; a file named in the
+    # backend's options), so an edited reward trains again; left out when there are none (keys stay)
+    if (reward := custom_reward_file(stage.reward.name if "reward" in spec else None)) is not None:
+        payload["reward_file_sha256"] = file_sha256(reward)
+    if files := backend_files_sha256(stage):
+        payload["backend_files_sha256"] = files
     return payload
+
+
+def backend_files_sha256(stage: RLStage) -> dict[str, str]:
+    """{path: sha256} of the files the stage's backend options name (`BackendOptions.input_files`)."""
+    if isinstance(stage.backend, str):
+        return {}
+    return {path: file_sha256(path) for path in stage.backend.input_files()}
 
 
 def rl_run_key(stage: RLStage, seed: int, dataset_version: str) -> str:

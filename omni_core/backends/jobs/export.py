@@ -206,3 +206,21 @@ def planned_model_path(uri: str, shared_dir: str, seed: int) -> str:
     if uri.startswith(("/", "./", "../", "~", "file://")):
         return str(Path(uri.removeprefix("file://")).expanduser().resolve())
     return uri
+
+
+# ---- reward files --------------------------------------------------------------------------------
+
+
+def staged_reward_path(path: str | Path, shared_dir: str | Path) -> str:
+    """Where `stage_reward` puts a custom reward file: shared_dir/rewards/{sha256[:16]}/{name}, so every
+    node reads it at one path and an edit made while a job runs reaches only the next job."""
+    source = Path(path).expanduser()
+    return str(Path(shared_dir) / "rewards" / file_digest(source)[1][:16] / source.name)
+
+
+def stage_reward(path: str | Path, shared_dir: str | Path) -> str:
+    """Copy a custom reward file onto the shared path (once per content); returns its staged path."""
+    final = Path(staged_reward_path(path, shared_dir))
+    if not final.is_file():
+        materialise(final.parent, lambda tmp: shutil.copy2(Path(path).expanduser(), tmp / final.name))
+    return str(final)

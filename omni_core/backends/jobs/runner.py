@@ -5,13 +5,18 @@
    (export.export_dataset / stage_model) and renders its command, runtime env and entry point resources.
 3. With resume_mode auto, `mirror.prepare_resume` puts the latest mirrored checkpoint back on a
    shared path that lost it (a new cluster), or refuses a stranded one (verl #7952).
-4. `job.submit` to `ray.address` (deterministic submission id; `-attempt-N` after a failed one); the
-   training run is tagged with the submission id and the command (MLflow artifact `verl/command.json`).
+4. `JobTrainer.before_submit` asks the cluster what only it can answer (verl: does the job's interpreter
+   have verl on the Ray nodes), then `job.submit` to `ray.address` (deterministic submission id: run key
+   and command digest; `-attempt-N` after a failed one); the training run is tagged with the submission
+   id and the command (MLflow artifact `verl/command.json`).
 5. `job.follow` turns the trainer's `step:N` lines into progress and the stage's step count, keeps the
-   log (MLflow artifact `verl/{id}.log`) and mirrors each committed `global_step_N` to the store.
-6. A job that ended without its final checkpoint raises JobError (the orchestrator retries: the next
-   attempt resumes from the mirror); else the backend commits the final weights (`JobTrainer.finish`:
-   e.g. `merge_fsdp_checkpoint`, a helper job, then `commit_hf_folder`).
+   log (MLflow artifact `verl/{id}.log`), relays verl's metrics into the stage's run (jobs.metrics) and
+   mirrors each committed `global_step_N` to the store.
+6. A job that failed for a reason a retry cannot change raises JobFailed (not retried); one that ended
+   without its final checkpoint otherwise raises JobError (the orchestrator retries: the next attempt
+   resumes from the mirror); one that succeeded without the metrics its task always logs raises
+   MetricsMissing; else the backend commits the final weights (`JobTrainer.finish`: e.g.
+   `merge_fsdp_checkpoint`, a helper job, then `commit_hf_folder`).
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from omni_core.backends.jobs import mirror
 from omni_core.backends.jobs.job import (
     VERSION_PREFIX,
     JobCommand,
+    JobFailed,
     follow,
     log_tail,
+    permanent_failure,
     run_helper_job,
     submit,
     version_probe,
@@ -95,6 +102,7 @@ class PreparedJob:
     tags: dict[str, str]  # MLflow tags of the training run (besides the submission id and command)
     record: dict[str, Any]  # the MLflow artifact verl/command.json (besides the submission id)
     model: str = ""  # the staged model
+    metrics_dir: Path | None = None  # where verl's file logger writes (jobs.metrics), on the shared path
 
 
 @dataclass
@@ -124,7 +132,15 @@ class JobTrainer(Protocol):
 
     def total_steps(self, inputs: JobInputs) -> int | None: ...
 
+    def required_metrics(self, inputs: JobInputs) -> tuple[str, ...]:
+        """The metrics the trainer always logs (at least one must reach the run); () checks nothing."""
+        ...
+
     def prepare(self, inputs: JobInputs, timed: Timed) -> PreparedJob: ...
+
+    def before_submit(self, client: Any, prepared: PreparedJob, inputs: JobInputs) -> None:
+        """Refuse (an OmniError) what would make the job fail at once, asked of the cluster."""
+        ...
 
     def explain_failure(self, log: str, prepared: PreparedJob) -> str: ...
 
@@ -160,8 +176,9 @@ def run_job(inputs: JobInputs, trainer: JobTrainer) -> dict[str, Any]:
             progress(f"stage {stage.name}: {trainer.resumes} resumes from global_step_{resumed}")
     with timed("submit"):
         client = job_client(inputs.ray_address)
+        trainer.before_submit(client, prepared, inputs)
         job = submit(client, prepared.command, pipeline=inputs.pipeline, stage=stage.name, run_key=inputs.run_key,
-                     env=prepared.env, resources=prepared.resources)
+                     env=prepared.env, resources=prepared.resources, metrics_dir=prepared.metrics_dir)
     progress(f"stage {stage.name}: {prepared.announce} {job.submission_id} "
              f"({'submitted' if job.submitted else job.status}) on {inputs.ray_address}")
     tracked = inputs.tracker is not None and inputs.mlflow_run_id
@@ -182,7 +199,11 @@ def run_job(inputs: JobInputs, trainer: JobTrainer) -> dict[str, Any]:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{job.submission_id}.log"
 
+    relay = relay_for(inputs.tracker if tracked else None, inputs.mlflow_run_id, prepared.metrics_dir,
+                      job.submission_id)
+
     def mirror_while_running() -> None:
+        relay.poll()
         with timed("mirror_during_job"):
             mirror.mirror_new(prepared.checkpoints, store, root, keep=keep)
 
@@ -190,21 +211,51 @@ def run_job(inputs: JobInputs, trainer: JobTrainer) -> dict[str, Any]:
         status = follow(client, job.submission_id, total_steps=total or 0, progress=on_progress,
                         poll_s=inputs.poll_s, on_poll=mirror_while_running, log_path=log_path,
                         timeout_s=inputs.timeout_s)
+    relay.poll()
     if tracked and log_path.exists():
         inputs.tracker.client.log_artifact(inputs.mlflow_run_id, str(log_path), "verl")
     with timed("mirror_final"):
         mirror.mirror_new(prepared.checkpoints, store, root, keep=keep)
+    what = f"stage {stage.name}: {trainer.label} job {job.submission_id}"
     if status != "SUCCEEDED":
         log = log_path.read_text() if log_path.exists() else ""
-        raise JobError(f"stage {stage.name}: {trainer.label} job {job.submission_id} ended {status}"
-                       f"{trainer.explain_failure(log, prepared)}; a retry resubmits it and resumes from the last "
-                       f"mirrored checkpoint. Log tail:\n{log_tail(log)}")
+        failed_for_good(what, status, log)
+        raise JobError(f"{what} ended {status}{trainer.explain_failure(log, prepared)}; a retry resubmits it and "
+                       f"resumes from the last mirrored checkpoint. Log tail:\n{log_tail(log)}")
     step = mirror.local_latest(prepared.checkpoints)
     if step is None or (total is not None and step < total):
-        raise JobError(f"stage {stage.name}: {trainer.label} job {job.submission_id} succeeded but its latest "
-                       f"checkpoint is step {step}, not {total} (is trainer.save_freq overridden?)")
+        raise JobError(f"{what} succeeded but its latest checkpoint is step {step}, not {total} (is "
+                       "trainer.save_freq overridden?)")
+    if tracked:
+        relay.require(trainer.required_metrics(inputs), what)
     finished = FinishedJob(inputs, prepared, client, job.submission_id, step, log_path)
     return {**trainer.finish(finished, timed), "reused": False, "submission_id": job.submission_id}
+
+
+def relay_for(tracker: Any, run_id: str | None, metrics_dir: Path | None, job_id: str) -> Any:
+    """The job's MetricsRelay into `run_id`, or one that relays nothing (no run, no metrics file)."""
+    from omni_core.backends.jobs.metrics import MetricsRelay, metrics_file
+
+    if tracker is None or not run_id or metrics_dir is None:
+        return _NoRelay()
+    return MetricsRelay(tracker.client, run_id, metrics_file(metrics_dir, job_id))
+
+
+class _NoRelay:
+    logged: set[str] = set()
+
+    def poll(self) -> int:
+        return 0
+
+    def require(self, names: tuple[str, ...], what: str) -> None:
+        return None
+
+
+def failed_for_good(what: str, status: str, log: str) -> None:
+    """JobFailed (not retried) when the log says another attempt would fail the same way."""
+    if status == "FAILED" and (reason := permanent_failure(log)):
+        raise JobFailed(f"{what} failed and is not retried, since another attempt would fail the same way: {reason}. "
+                        f"Log tail:\n{log_tail(log)}")
 
 
 def merge_fsdp_checkpoint(client: Any, python: str, step_dir: Path, job_id: str, env: dict[str, Any], poll_s: float,

@@ -1,9 +1,9 @@
 """An eval stage with `engine: trainer` on a job backend: the trained stage's own trainer, started with
 `trainer.val_before_train=True trainer.val_only=True` as a Ray Job, validates the checkpoint and exits
-(verl's `fit`: load, validate, log, return). Its mlflow logger writes verl's validation metrics
-(`val-core/{data_source}/{var}/mean@N`, `val-aux/...`; MLflow spells `@` as `_at_`) and its logged
-generations (`trainer.log_val_generations`) into the eval stage's own MLflow run (MLFLOW_RUN_ID in the
-job's runtime env); they are read back from there as the stage's metrics.
+(verl's `fit`: load, validate, log, return). Its file logger writes verl's validation metrics
+(`val-core/{data_source}/{var}/mean@N`, `val-aux/...`), which the driver relays into the eval stage's
+own MLflow run (jobs.metrics; MLflow spells `@` as `_at_`); they are read back from there as the
+stage's metrics.
 
 verl has no `val/reward_mean` (that name is ours, what `register` decides on by default): it is the mean
 over data sources of each one's `reward/mean@N` (the reward's score, in val-core or, where the reward
@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omni_core.backends.jobs.job import follow, log_tail, submit
-from omni_core.backends.jobs.runner import JobError, PreparedJob, job_client
+from omni_core.backends.jobs.metrics import MetricsMissing
+from omni_core.backends.jobs.runner import JobError, PreparedJob, failed_for_good, job_client, relay_for
 
 VAL_ONLY = {"trainer.val_before_train": True, "trainer.val_only": True}
 VAL_PREFIXES = ("val-core/", "val-aux/", "val/")
@@ -49,8 +51,8 @@ def trainer_metrics(logged: dict[str, float], job_id: str) -> dict[str, float]:
     """verl's validation metrics among a run's metrics, plus `val/reward_mean` (module docstring)."""
     found = {name: value for name, value in logged.items() if name.startswith(VAL_PREFIXES)}
     if not found:
-        raise JobError(f"validation job {job_id} succeeded but logged no validation metric (val-core/, val-aux/, "
-                       "val/) on the eval run; is trainer.logger overridden?")
+        raise MetricsMissing(f"validation job {job_id} succeeded but logged no validation metric (val-core/, "
+                             "val-aux/, val/) on the eval run; is trainer.logger overridden (it must keep 'file')?")
     rewards: dict[str, tuple[int, float]] = {}  # data source -> (N, reward mean@N) at the largest N
     for name, value in found.items():
         if (match := REWARD_MEANS.match(name)) and int(match["n"]) >= rewards.get(match["source"], (0, 0.0))[0]:
@@ -73,14 +75,18 @@ def job_eval_problem(eval_stage: Any) -> str | None:
     return None
 
 
-def run_validation_job(validation: Any, prepared: PreparedJob, label: str) -> dict[str, Any]:
-    """Submit `prepared` (a val-only command), follow it to its end, read its metrics back (module docstring)."""
+def run_validation_job(validation: Any, prepared: PreparedJob, label: str,
+                       before_submit: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """Submit `prepared` (a val-only command; `before_submit(client)` may refuse it first), follow it to its
+    end, relaying its metrics into the eval's run, and read them back (module docstring)."""
     ctx = validation.ctx
     name, address = ctx.stage.name, ctx.config.ray.address
     client = job_client(address)
+    if before_submit is not None:
+        before_submit(client)
     # one submission per eval run (a retry of the same run after a failed job is `-attempt-N`)
     job = submit(client, prepared.command, pipeline=ctx.config.name, stage=name, run_key=ctx.mlflow_run_id[:16],
-                 env=prepared.env, resources=prepared.resources)
+                 env=prepared.env, resources=prepared.resources, metrics_dir=prepared.metrics_dir)
     ctx.progress(f"stage {name}: {label}'s validation of {validation.outputs['checkpoint_uri']} as Ray Job "
                  f"{job.submission_id} ({'submitted' if job.submitted else job.status}) on {address}")
     ctx.tracker.set_tags(ctx.mlflow_run_id, {"omni.verl.submission_id": job.submission_id,
@@ -89,13 +95,17 @@ def run_validation_job(validation: Any, prepared: PreparedJob, label: str) -> di
                          "verl/command.json")
     with tempfile.TemporaryDirectory(prefix="omni-verl-val-") as logs:
         log_path = Path(logs) / f"{job.submission_id}.log"
-        status = follow(client, job.submission_id, total_steps=0, progress=lambda line: None, log_path=log_path)
+        relay = relay_for(ctx.tracker, ctx.mlflow_run_id, prepared.metrics_dir, job.submission_id)
+        status = follow(client, job.submission_id, total_steps=0, progress=lambda line: None, log_path=log_path,
+                        on_poll=relay.poll)
+        relay.poll()
         log = log_path.read_text() if log_path.exists() else ""
         if log:
             ctx.tracker.client.log_artifact(ctx.mlflow_run_id, str(log_path), "verl")
     if status != "SUCCEEDED":
-        raise JobError(f"stage {name}: {label} validation job {job.submission_id} ended {status}. Log tail:\n"
-                       f"{log_tail(log)}")
+        what = f"stage {name}: {label} validation job {job.submission_id}"
+        failed_for_good(what, status, log)
+        raise JobError(f"{what} ended {status}. Log tail:\n{log_tail(log)}")
     logged = ctx.tracker.client.get_run(ctx.mlflow_run_id).data.metrics
     metrics = trainer_metrics(logged, job.submission_id)
     return {"metrics": metrics, "logged": sorted(set(logged) & set(metrics)), "records": [], "timings": {},

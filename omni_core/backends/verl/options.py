@@ -13,6 +13,14 @@ from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, field_val
 from omni_core.backends.jobs.options import JobBackendOptions
 
 Task = Literal["sft", "grpo", "gspo"]
+# where verl reads a custom reward function's file (0.9.1 / the image's pin; older verl: top level)
+REWARD_PATH_KEYS = ("reward.custom_reward_function.path", "custom_reward_function.path")
+
+
+def _split(override: str) -> tuple[str, str]:
+    """(key, value) of a Hydra override, its +/++ prefix and the value's quotes removed."""
+    key, _, value = override.partition("=")
+    return key.lstrip("+~"), value.strip().strip("'\"")
 
 
 class VerlBackend(JobBackendOptions):
@@ -21,10 +29,13 @@ class VerlBackend(JobBackendOptions):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: Literal["verl"] = "verl"
-    python: str = Field("python3", description="The interpreter that has verl on the cluster (the CUDA image's).")
-    nnodes: int = Field(1, ge=1)
-    n_gpus_per_node: int = Field(1, ge=1)
+    name: Literal["verl"] = Field("verl", description="verl's trainer as a Ray Job.")
+    python: str | None = Field(
+        None, description="The interpreter the Ray Job runs, which must have verl on the Ray nodes; left out: this "
+                          "checkout's .venv-verl when it has verl (a laptop after `make setup`), else python3 (the "
+                          "CUDA image's).")
+    nnodes: int = Field(1, ge=1, description="Nodes of the job (trainer.nnodes); sft runs on one.")
+    n_gpus_per_node: int = Field(1, ge=1, description="GPUs per node (trainer.n_gpus_per_node).")
     rollout_engine: Literal["vllm", "sglang"] = Field("vllm", description="main_ppo's rollout engine.")
     device: Literal["gpu", "cpu"] = Field(
         "gpu", description="cpu: the same command on one CPU rank, with verl's `omni_cpu` rollout (transformers) "
@@ -49,12 +60,24 @@ class VerlBackend(JobBackendOptions):
         return value
 
     @model_serializer(mode="wrap")
-    def _dump_without_default_device(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """`device` left at gpu is not dumped: config digests stay what they were."""
+    def _dump_without_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """`device` left at gpu and `python` left out are not dumped: config digests stay what they were."""
         data = handler(self)
         if data.get("device") == "gpu":
             data.pop("device", None)
+        if data.get("python") is None:
+            data.pop("python", None)
         return data
+
+    def input_files(self) -> list[str]:
+        """The reward files named in `overrides` (verl's custom reward function): their bytes key the stage."""
+        return [path for key, path in (_split(item) for item in self.overrides) if key in REWARD_PATH_KEYS and path]
+
+    def for_job(self) -> VerlBackend:
+        """These options with `python` the interpreter the job runs (interpreter.resolve)."""
+        from omni_core.backends.verl.interpreter import resolve
+
+        return self.model_copy(update={"python": resolve(self.python).job})
 
 
 @dataclass(frozen=True)
@@ -99,6 +122,7 @@ class VerlTraining:
     kl_beta: float | None = None
     adv_scale: Literal["group", "batch", "none"] | None = None
     reward_file: str | None = None  # verl's reward.custom_reward_function.path (None: by the rows' data_source)
+    reward_function: str = "compute_score"  # ... and .name
 
     RL_ONLY = ("ppo_mini_batch_size", "ppo_epochs", "rollout_n", "temperature", "top_p", "max_new_tokens",
                "clip_ratio_low", "clip_ratio_high", "loss_agg_mode", "kl_beta", "adv_scale", "reward_file")

@@ -2,9 +2,11 @@
 (`omni validate`, `omni plan`, `omni run`): a misspelled key in `backend.overrides` is refused with
 Hydra's message instead of surfacing as a failed Ray Job.
 
-The interpreter: the stage's `backend.python` when it has verl, else this checkout's `.venv-verl`. Where
-neither has verl, the check is skipped and says why (on a laptop without verl the command is composed
-by the cluster's verl when the job starts).
+The interpreter is the one the job runs (interpreter.py decides it for both): the stage's
+`backend.python`, else this checkout's `.venv-verl`, else `python3`. When the job's interpreter has no
+verl on this machine (the cluster image's), `.venv-verl` composes the command in its stead and the note
+says so; where neither has verl, the check is skipped and says why (the command is then composed by the
+cluster's verl when the job starts).
 
 Each verdict is kept in omni's cache (`verl-compose/`), keyed by the interpreter, its verl version and
 config files' newest mtime, and the command: `omni validate`, then `omni plan`, then `omni run` of one
@@ -22,21 +24,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import subprocess
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omni_core.backends.verl.check import compose_all
+from omni_core.backends.verl.interpreter import Interpreter, resolve
 from omni_core.errors import ConfigError, StorageError
 from omni_core.paths import cache_dir
 from omni_core.storage import Store
-
-REPO_VERL_PYTHON = Path(__file__).resolve().parents[3] / ".venv-verl" / "bin" / "python"
-PROBE_TIMEOUT_S = 60
 
 
 @dataclass(frozen=True)
@@ -44,49 +41,6 @@ class HydraCheck:
     stage: str
     status: str  # ok | skipped | refused
     message: str
-
-
-# the version, then the newest mtime of verl's Hydra config files (what composition reads), without importing verl
-PROBE = """
-import importlib.util, os
-from importlib.metadata import version
-spec = importlib.util.find_spec("verl")
-config = os.path.join(os.path.dirname(spec.origin), "trainer", "config")
-newest = max((os.stat(os.path.join(d, f)).st_mtime_ns for d, _, fs in os.walk(config) for f in fs), default=0)
-print(version("verl"), newest)
-"""
-
-
-def _probe(python: str) -> tuple[str, str] | None:
-    """(verl's version, its config files' newest mtime) for `python`, or None when it has no verl."""
-    found = shutil.which(python) if os.sep not in python else (python if os.access(python, os.X_OK) else None)
-    if not found:
-        return None
-    try:
-        proc = subprocess.run([found, "-c", PROBE], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    fields = proc.stdout.split()
-    return (fields[0], fields[1]) if proc.returncode == 0 and len(fields) == 2 else None
-
-
-def verl_interpreter(backend_python: str) -> tuple[str | None, str]:
-    """(interpreter, where it comes from) or (None, why there is none)."""
-    found = _interpreter(backend_python)
-    return (found[0], found[1]) if found else (None, _none_found(backend_python))
-
-
-def _none_found(backend_python: str) -> str:
-    return (f"neither backend.python ({backend_python}) nor {REPO_VERL_PYTHON} has verl installed "
-            "(`make setup` builds .venv-verl)")
-
-
-def _interpreter(backend_python: str) -> tuple[str, str, str] | None:
-    """(interpreter, where it comes from, what identifies its verl install) or None."""
-    for python, origin in ((backend_python, "backend.python"), (str(REPO_VERL_PYTHON), ".venv-verl")):
-        if probed := _probe(python):
-            return python, f"verl {probed[0]} of {origin} ({python})", f"{os.path.realpath(python)} {' '.join(probed)}"
-    return None
 
 
 def _cache_key(install: str, command: Any) -> str:
@@ -143,13 +97,7 @@ def check_pipeline(config: Any) -> list[HydraCheck]:
     from omni_core.backends.verl.options import VerlBackend
 
     results: list[HydraCheck] = []
-    pending: dict[tuple[str, str, str], list[tuple[str, Any]]] = {}  # by (interpreter, origin, install)
-    found: dict[str, tuple[str, str, str] | None] = {}
-
-    def interpreter(backend_python: str) -> tuple[str, str, str] | None:
-        if backend_python not in found:
-            found[backend_python] = _interpreter(backend_python)
-        return found[backend_python]
+    pending: dict[Interpreter, list[tuple[str, Any]]] = {}
 
     for stage in config.stages:
         if getattr(stage, "engine", None) == "trainer":  # an eval by a verl stage's own validation
@@ -167,17 +115,20 @@ def check_pipeline(config: Any) -> list[HydraCheck]:
                                           "are checked when its Ray Job starts"))
                 continue
             backend_python, cmd = backend.python, _placeholder_command(stage, config.name, config.seed)
-        located = interpreter(backend_python)
-        if located is None:
-            results.append(HydraCheck(stage.name, "skipped", _none_found(backend_python)))
+        interpreter = resolve(backend_python)
+        if interpreter.check is None:
+            results.append(HydraCheck(stage.name, "skipped", interpreter.check_origin))
             continue
-        pending.setdefault(located, []).append((stage.name, cmd))
-    for (python, origin, install), items in pending.items():
-        for (name, _), refused in zip(items, _compose_cached(python, install, [cmd for _, cmd in items]), strict=True):
+        pending.setdefault(interpreter, []).append((stage.name, cmd))
+    for interpreter, items in pending.items():
+        verdicts = _compose_cached(interpreter.check, interpreter.install, [cmd for _, cmd in items])
+        runs = "" if interpreter.checked_by_job_interpreter else \
+            f"; the job runs {interpreter.job} ({interpreter.origin}) on the Ray nodes"
+        for (name, _), refused in zip(items, verdicts, strict=True):
             if refused is not None:
                 results.append(HydraCheck(name, "refused", str(refused)))
             else:
-                results.append(HydraCheck(name, "ok", f"composed by {origin}"))
+                results.append(HydraCheck(name, "ok", f"composed by {interpreter.check_origin}{runs}"))
     order = [s.name for s in config.stages]
     return sorted(results, key=lambda r: order.index(r.stage))
 

@@ -35,7 +35,7 @@ SFT_MODULE = "verl.trainer.sft_trainer"
 PPO_MODULE = "verl.trainer.main_ppo"
 SFT_CONFIG = "sft_trainer_engine"
 PPO_CONFIG = "ppo_trainer"
-LOGGERS = ["console", "mlflow"]
+LOGGERS = ["console", "file"]  # verl's file logger: the driver relays it into MLflow (jobs.metrics)
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 RL_DEFAULTS = {"ppo_epochs": 1, "rollout_n": 4, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512,
                "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "loss_agg_mode": "token-mean", "kl_beta": 0.0,
@@ -71,6 +71,7 @@ def render(training: VerlTraining, backend: VerlBackend, default_local_dir: str 
         raise ConfigError(f"trainer.default_local_dir {str(local_dir)!r} is relative: verl resolves it against "
                           "each worker's working directory; pass backend.run_dir(...) (under shared_dir)")
     _check_common(training)
+    backend = backend if backend.python is not None else backend.for_job()  # the job's interpreter (interpreter.py)
     if training.task == "sft":
         ours = _sft_overrides(training, backend, local_dir)
         module, config, argv0 = SFT_MODULE, SFT_CONFIG, [
@@ -223,7 +224,7 @@ def _ppo_overrides(t: VerlTraining, b: VerlBackend, local_dir: Path) -> list[str
     }
     if t.reward_file:
         values.update({"reward.custom_reward_function.path": t.reward_file,
-                       "reward.custom_reward_function.name": "compute_score"})
+                       "reward.custom_reward_function.name": t.reward_function})
     return _listed(t.task, b, values)
 
 

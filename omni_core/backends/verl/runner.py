@@ -7,9 +7,13 @@ checkpoint.
    (jobs.export.stage_model) under `backend.shared_dir`.
 2. Before every (re)submission with resume_mode auto, `mirror.prepare_resume` puts the latest mirrored
    checkpoint back on a shared path that lost it (a new cluster) or refuses a stranded one (verl #7952).
-3. `job.submit` to `ray.address` with the deterministic submission id (a retry after a failed attempt
-   is `-attempt-N`), MLflow's URI and the stage's child run id in the runtime env (verl's own mlflow
-   logger writes `train/loss` into it), credentials forwarded by name.
+3. The job's interpreter is asked for verl on the Ray nodes (a probe job: `require_verl_on_nodes`; a
+   refusal names backend.python and submits nothing), then `job.submit` to `ray.address` with the
+   deterministic submission id (run key and command digest; a retry after a failed attempt is
+   `-attempt-N`), credentials forwarded by name. verl's file logger writes the metrics beside the
+   checkpoints and the driver relays them into the stage's MLflow run (jobs.metrics): `train/loss` for
+   sft, `critic/score/mean`, `actor/pg_loss`, ... for grpo/gspo; a job that logged none of its task's
+   always-logged metric fails the stage.
 4. `job.follow` turns verl's `step:N` lines into progress and the stage's step count, keeps the log
    (logged as the MLflow artifact `verl/job.log`) and mirrors each committed `global_step_N`.
 5. The result, by `backend.hf_model`. `save` (default): verl's trainer writes the full weights into
@@ -45,10 +49,38 @@ from omni_core.backends.jobs.runner import (
     run_job,
 )
 from omni_core.backends.verl.render import PPO_MODULE, VerlCommand
-from omni_core.backends.verl.stage import command, layout, response_field
+from omni_core.backends.verl.stage import TASKS, command, layout, response_field
 from omni_core.errors import ConfigError
+from omni_core.rewards.registry import custom_reward_file
 
 HF_DIR = "huggingface"  # verl's own Hugging Face save (checkpoint.save_contents with hf_model)
+# what each task's trainer logs at every step (verl's names): a stage whose run received none failed
+REQUIRED_METRICS = {"sft": ("train/loss",), "grpo": ("critic/score/mean",), "gspo": ("critic/score/mean",)}
+
+
+def metrics_dir(command: VerlCommand) -> Path:
+    """Where the job's file logger writes (jobs.metrics): beside its checkpoints, on the shared path."""
+    return Path(command.default_local_dir) / "metrics"
+
+
+def stage_reward_file(stage: Any) -> None:
+    """A custom `path.py:function` reward, copied to where the rendered command reads it (stage.reward_script)."""
+    if (path := custom_reward_file(stage.reward.name)) is not None:
+        export.stage_reward(path, stage.backend.shared_dir)
+
+
+def require_verl_on_nodes(client: Any, stage: Any, python: str, address: str) -> None:
+    """ConfigError, before anything is submitted, when the job's interpreter has no verl where the cluster
+    runs jobs (a probe job, kept on the cluster: jobs.job.probe_interpreter)."""
+    from omni_core.backends.jobs.job import log_tail, probe_interpreter
+    from omni_core.backends.verl.interpreter import how_to_set, resolve
+
+    version, log = probe_interpreter(client, python)
+    if version is None:
+        chosen = resolve(stage.backend.python)
+        raise ConfigError(f"stages.{stage.name}.backend.python: the job's interpreter {python} ({chosen.origin}) has "
+                          f"no verl on the Ray nodes of {address}, so no job was submitted; {how_to_set(address)}. "
+                          f"The probe said: {log_tail(log, 300).strip() or '(nothing)'}")
 
 
 def entrypoint_resources(command: VerlCommand, n_gpus_per_node: int, device: str = "gpu") -> dict[str, float]:
@@ -84,15 +116,22 @@ class VerlTrainer:
                               f"{inputs.split!r}")
         with timed("model"):
             model = export.stage_model(stage.model_uri, backend.shared_dir, seed=inputs.seed)
+        stage_reward_file(stage)
         cmd = command(stage, pipeline=inputs.pipeline, run_key=inputs.run_key, model=model,
                       train_files=exported.files[inputs.split], seed=inputs.seed)
         resources = dict(backend.entrypoint_resources) if backend.entrypoint_resources is not None \
             else entrypoint_resources(cmd, backend.n_gpus_per_node, backend.device)
         return PreparedJob(
-            command=cmd, env=runtime_env(cmd, tracking_uri=inputs.tracking_uri, mlflow_run_id=inputs.mlflow_run_id),
-            resources=resources, checkpoints=Path(cmd.default_local_dir), announce="Ray Job",
-            tags={"omni.backend": "verl"},
-            record={"entrypoint": cmd.entrypoint, "argv": cmd.argv, "overrides": cmd.overrides}, model=model)
+            command=cmd, env=runtime_env(cmd), resources=resources, checkpoints=Path(cmd.default_local_dir),
+            announce="Ray Job", tags={"omni.backend": "verl"},
+            record={"entrypoint": cmd.entrypoint, "argv": cmd.argv, "overrides": cmd.overrides}, model=model,
+            metrics_dir=metrics_dir(cmd))
+
+    def required_metrics(self, inputs: JobInputs) -> tuple[str, ...]:
+        return REQUIRED_METRICS[TASKS[inputs.stage.algorithm.name]]
+
+    def before_submit(self, client: Any, prepared: PreparedJob, inputs: JobInputs) -> None:
+        require_verl_on_nodes(client, inputs.stage, prepared.command.argv[0], inputs.ray_address)  # type: ignore[attr-defined]
 
     def explain_failure(self, log: str, prepared: PreparedJob) -> str:
         return ""

@@ -13,7 +13,8 @@ What verl cannot honour is refused here, naming the stage key (at `omni validate
 other algorithms, `execution` scheduling (verl schedules its own workers), `resources` / `num_cpus` /
 `adapter` / `adapter_stage` (verl places its workers from nnodes / n_gpus_per_node and loads Hugging
 Face models), `rollout.max_num_seqs` / `step_execution` (engine knobs: `backend.overrides`), a reward
-other than the rows' own `data_source` scorer or one of ours verl loads by path (digits), `checkpoint.force_resume`, an SFT
+other than the rows' own `data_source` scorer, one of ours verl loads by path (digits) or a custom
+`path.py:function` (verl's custom reward function, staged on the shared path), `checkpoint.force_resume`, an SFT
 `trainer.max_prompt_tokens` (verl truncates the whole sequence: `data.max_length`), and whatever
 the renderer refuses (lora.dropout, adv_scale batch, a mini batch that does not divide the batch).
 """
@@ -23,12 +24,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omni_core.backends.jobs.export import planned_model_path
-from omni_core.backends.jobs.job import describe_env, runtime_env, submission_id
+from omni_core.backends.jobs.export import planned_model_path, staged_reward_path
+from omni_core.backends.jobs.job import command_digest, describe_env, runtime_env, submission_id
+from omni_core.backends.jobs.metrics import metrics_file
 from omni_core.backends.verl.cpu import cpu_problem
 from omni_core.backends.verl.options import VerlBackend, VerlTraining
 from omni_core.backends.verl.render import VerlCommand, render
 from omni_core.errors import ConfigError
+from omni_core.rewards.registry import custom_reward_file
 
 TASKS = {"sft": "sft", "grpo": "grpo", "gspo": "gspo"}
 SFT_RESPONSE = {"auto": "extra_info.answer", "answer": "extra_info.answer", "ground_truth": "reward_model.ground_truth"}
@@ -72,10 +75,8 @@ def verl_problem(stage: Any) -> str | None:
         for key in sorted(stage.rollout.model_fields_set & {"max_num_seqs", "step_execution"}):
             return (f"{where}.rollout.{key}: an engine option of our rollout; for verl's engine set it in "
                     "backend.overrides (e.g. actor_rollout_ref.rollout.max_num_seqs=256)")
-        if stage.reward.name != DEFAULT_REWARD and stage.reward.name not in REWARD_FILES:
-            return (f"{where}.reward.name: {stage.reward.name}: verl scores each row with its data_source's reward "
-                    f"(GSM8K: gsm8k) or one of ours it can load by path ({', '.join(REWARD_FILES)}); a custom one goes "
-                    "in backend.overrides (reward.custom_reward_function.path=..., .name=...)")
+        if problem := reward_problem(stage):
+            return f"{where}.{problem}"
     elif "max_prompt_tokens" in stage.trainer.model_fields_set:
         return (f"{where}.trainer.max_prompt_tokens: verl's sft_trainer truncates prompt and response together; "
                 "set backend.overrides: [data.max_length=N] instead")
@@ -89,12 +90,49 @@ def verl_problem(stage: Any) -> str | None:
     if path and not Path(path).is_absolute():
         return (f"{where}.checkpoint.resume_from_path: {path!r}: verl reads a global_step_N folder on the shared "
                 "path; give its absolute path")
+    if problem := overrides_files_problem(backend):
+        return f"{where}.backend.overrides: {problem}"
     try:
         placeholder = str(Path(stage.backend.shared_dir) / "datasets" / "DATASET" / "VERSION" / "train-00000.parquet")
         render(training(stage, model="MODEL", train_files=[placeholder], seed=0, pipeline="PIPELINE"),
-               stage.backend, stage.backend.run_dir("PIPELINE", "RUN_KEY", stage.name))
+               stage.backend.for_job(), stage.backend.run_dir("PIPELINE", "RUN_KEY", stage.name))
     except ConfigError as exc:
         return f"{where}.{exc}"
+    return None
+
+
+def reward_problem(stage: Any) -> str | None:
+    """Why verl cannot score the stage's `reward` (`reward.name: ...`), or None."""
+    name = stage.reward.name
+    if name == DEFAULT_REWARD or name in REWARD_FILES or custom_reward_file(name) is not None:
+        return None
+    path, sep, _ = name.rpartition(":")
+    if sep and path.endswith(".py"):
+        return f"reward.name: {name}: the file {path} does not exist; fix the path"
+    return (f"reward.name: {name}: verl scores each row with its data_source's reward (GSM8K: gsm8k), one of ours it "
+            f"can load by path ({', '.join(REWARD_FILES)}), or a custom one written reward: {{name: "
+            "path/to/file.py:function}} (verl's custom reward function, with its signature)")
+
+
+def overrides_files_problem(backend: VerlBackend) -> str | None:
+    """A reward file named in `backend.overrides` that the job could not read, or None."""
+    for path in backend.input_files():
+        if not Path(path).is_absolute():
+            return (f"{path!r}: verl resolves a relative path against each worker's directory; give the reward "
+                    "file's absolute path on the shared path, or write reward: {name: path/to/file.py:function}")
+        if not Path(path).is_file():
+            return f"reward file {path} does not exist; fix the path"
+    return None
+
+
+def reward_script(stage: Any) -> tuple[str, str] | None:
+    """(the file verl loads, its function) for the stage's reward; None: the rows' data_source scorer.
+    A custom file is read at its staged path on the shared path (jobs.export.stage_reward)."""
+    name = stage.reward.name
+    if name in REWARD_FILES:
+        return REWARD_FILES[name], "compute_score"
+    if (path := custom_reward_file(name)) is not None:
+        return staged_reward_path(path, stage.backend.shared_dir), name.rpartition(":")[2]
     return None
 
 
@@ -119,7 +157,12 @@ def training(stage: Any, *, model: str, train_files: list[str], seed: int, pipel
         ppo_epochs=trainer.ppo_epochs, rollout_n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
         max_new_tokens=rollout.max_new_tokens, clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
         loss_agg_mode=algo.loss_agg_mode, kl_beta=algo.kl_beta, adv_scale=algo.adv_scale,
-        reward_file=REWARD_FILES.get(stage.reward.name))
+        **reward_options(stage))
+
+
+def reward_options(stage: Any) -> dict[str, str]:
+    script = reward_script(stage)
+    return {"reward_file": script[0], "reward_function": script[1]} if script else {}
 
 
 def command(stage: Any, *, pipeline: str, run_key: str, model: str, train_files: list[str], seed: int,
@@ -128,7 +171,7 @@ def command(stage: Any, *, pipeline: str, run_key: str, model: str, train_files:
     try:
         return render(training(stage, model=model, train_files=train_files, seed=seed, pipeline=pipeline,
                                val_files=val_files),
-                      stage.backend, stage.backend.run_dir(pipeline, run_key, stage.name))
+                      stage.backend.for_job(), stage.backend.run_dir(pipeline, run_key, stage.name))
     except ConfigError as exc:
         raise ConfigError(f"stages.{stage.name}.{exc}") from None
 
@@ -149,12 +192,13 @@ def plan(stage: Any, *, pipeline: str, seed: int, dataset: str, split: str, vers
     files = [str(folder / f"{split}-{i:05d}.parquet") for i in range(shard_count or 1)]
     model = planned_model_path(model_uri, backend.shared_dir, seed) if "<" not in model_uri else model_uri
     cmd = command(stage, pipeline=pipeline, run_key=key, model=model, train_files=files, seed=seed)
-    env = runtime_env(cmd, tracking_uri=tracking_uri, mlflow_run_id="<the stage's MLflow child run>")
+    job_id = submission_id(pipeline, stage.name, key, command_digest(cmd))
+    env = runtime_env(cmd, metrics_file=metrics_file(Path(cmd.default_local_dir) / "metrics", job_id))
     return {
         "backend": "verl",
         "task": cmd.task,
         "ray_address": ray_address,
-        "submission_id": submission_id(pipeline, stage.name, key),
+        "submission_id": job_id,
         "entrypoint": cmd.entrypoint,
         "overrides": cmd.overrides,
         "runtime_env": describe_env(env),

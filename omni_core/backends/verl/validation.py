@@ -6,8 +6,10 @@ verl's main_ppo, rendered as the trained stage's own command (its rollout, rewar
   folder committed at the top of the final checkpoint), staged on the shared path, `resume_mode=disable`;
 - `data.train_files` = `data.val_files` = the eval split, exported (verl builds a train loader even for
   val_only); `data.val_max_samples` = `max_rows`, `data.max_response_length` = `max_new_tokens`;
-- the eval's sampling as `val_kwargs` (greedy by default, which is verl's default too), and
-  `trainer.log_val_generations` = `samples` (verl logs them on the eval's MLflow run);
+- the eval's sampling as `val_kwargs` (greedy by default, which is verl's default too);
+  `trainer.validation_data_dir` = run_dir/generations: verl dumps every validated row (input, output,
+  ground truth, score) as JSON lines there, logged as the eval run's artifacts `verl/generations/`
+  (`trainer.log_val_generations` = `samples` is what verl's own trackers would log);
 - `trainer.val_before_train=True trainer.val_only=True`, replacing any of these keys in `backend.overrides`;
 - checkpoints folder: shared_dir/runs/{pipeline}/{eval run}/{eval stage} (nothing is saved there).
 
@@ -32,7 +34,12 @@ from omni_core.backends.jobs.validation import (
     with_overrides,
 )
 from omni_core.backends.verl.render import VerlCommand, hydra_value, render
-from omni_core.backends.verl.runner import entrypoint_resources
+from omni_core.backends.verl.runner import (
+    entrypoint_resources,
+    metrics_dir,
+    require_verl_on_nodes,
+    stage_reward_file,
+)
 from omni_core.backends.verl.stage import training
 from omni_core.errors import ConfigError
 
@@ -56,11 +63,13 @@ def validation_command(eval_stage: Any, trained: Any, *, pipeline: str, key: str
     backend = trained.backend
     try:
         cmd = render(training(trained, model=model, train_files=files, val_files=files, seed=seed, pipeline=pipeline),
-                     backend, backend.run_dir(pipeline, key, eval_stage.name))
+                     backend.for_job(), backend.run_dir(pipeline, key, eval_stage.name))
     except ConfigError as exc:
         raise ConfigError(f"stages.{trained.name}.{exc}") from None
     values: dict[str, Any] = {"trainer.resume_mode": "disable", "data.max_response_length": eval_stage.max_new_tokens,
-                              "trainer.log_val_generations": eval_stage.samples, **val_kwargs(eval_stage), **VAL_ONLY}
+                              "trainer.log_val_generations": eval_stage.samples,
+                              "trainer.validation_data_dir": str(generations_dir(backend.run_dir(pipeline, key, eval_stage.name))),
+                              **val_kwargs(eval_stage), **VAL_ONLY}
     if eval_stage.max_rows is not None:
         values["data.val_max_samples"] = eval_stage.max_rows
     overrides = with_overrides(cmd.overrides, {k: hydra_value(v) for k, v in values.items()})
@@ -75,19 +84,33 @@ def prepare(validation: Any) -> PreparedJob:
         raise ConfigError(f"stages.{ctx.stage.name}.data: dataset {validation.dataset}@{validation.version.version} "
                           f"has no split {validation.split!r}")
     model = export.stage_model(validation.outputs["checkpoint_uri"], backend.shared_dir, seed=ctx.config.seed)
+    stage_reward_file(trained)
     cmd = validation_command(ctx.stage, trained, pipeline=ctx.config.name, key=ctx.mlflow_run_id[:16], model=model,
                              files=exported.files[validation.split], seed=ctx.config.seed)
     resources = dict(backend.entrypoint_resources) if backend.entrypoint_resources is not None \
         else entrypoint_resources(cmd, backend.n_gpus_per_node, backend.device)
-    return PreparedJob(command=cmd, env=runtime_env(cmd, tracking_uri=ctx.tracker.tracking_uri,
-                                                    mlflow_run_id=ctx.mlflow_run_id),
-                       resources=resources, checkpoints=Path(cmd.default_local_dir), announce="Ray Job",
-                       tags={}, record={"entrypoint": cmd.entrypoint, "argv": cmd.argv, "overrides": cmd.overrides},
-                       model=model)
+    return PreparedJob(command=cmd, env=runtime_env(cmd), resources=resources, checkpoints=Path(cmd.default_local_dir),
+                       announce="Ray Job", tags={},
+                       record={"entrypoint": cmd.entrypoint, "argv": cmd.argv, "overrides": cmd.overrides},
+                       model=model, metrics_dir=metrics_dir(cmd))
+
+
+def generations_dir(run_dir: Path) -> Path:
+    return run_dir / "generations"
 
 
 def validate(validation: Any) -> dict[str, Any]:
-    return run_validation_job(validation, prepare(validation), "verl")
+    prepared = prepare(validation)
+    ctx = validation.ctx
+
+    def probe(client: Any) -> None:
+        require_verl_on_nodes(client, validation.trained, prepared.command.argv[0], ctx.config.ray.address)  # type: ignore[attr-defined]
+
+    result = run_validation_job(validation, prepared, "verl", before_submit=probe)
+    dumped = generations_dir(prepared.checkpoints)
+    if dumped.is_dir() and any(dumped.iterdir()):
+        ctx.tracker.client.log_artifacts(ctx.mlflow_run_id, str(dumped), "verl/generations")
+    return result
 
 
 def placeholder_command(eval_stage: Any, trained: Any, pipeline: str, seed: int) -> VerlCommand:
@@ -106,7 +129,7 @@ def plan_validation(eval_stage: Any, trained: Any, config: Any) -> dict[str, Any
     files = [str(folder / f"{split}-00000.parquet")]
     cmd = validation_command(eval_stage, trained, pipeline=config.name, key="<eval run>", model=model_uri,
                              files=files, seed=config.seed)
-    env = runtime_env(cmd, tracking_uri=config.tracking_uri, mlflow_run_id="<the eval stage's MLflow run>")
+    env = runtime_env(cmd, metrics_file=Path(cmd.default_local_dir) / "metrics" / "<submission id>.jsonl")
     return {"backend": "verl", "does": f"validates the checkpoint of {trained.name} with verl's own trainer "
                                        f"(trainer.val_only=True) as a Ray Job on {config.ray.address} on {eval_stage.data}",
             "entrypoint": cmd.entrypoint, "overrides": cmd.overrides, "runtime_env": describe_env(env),

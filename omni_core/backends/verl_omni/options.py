@@ -28,7 +28,7 @@ class VerlOmniBackend(JobBackendOptions, RecipeOptions):
     decides_stage_keys: ClassVar[bool] = True  # the recipe decides what the stage's keys mean
     brings_model: ClassVar[bool] = True  # without `model:` the recipe's own model trains
 
-    name: Literal["verl_omni"] = "verl_omni"
+    name: Literal["verl_omni"] = Field("verl_omni", description="A VeRL-Omni recipe as a Ray Job.")
     recipe: str | None = Field(None, description="A VeRL-Omni recipe (`omni recipes list`).")
     entry_point: str | None = Field(None, description="Instead of a recipe: the module an imported script runs "
                                                       "(`omni recipes import run_x.sh` writes it), e.g. "

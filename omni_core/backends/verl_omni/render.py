@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from omni_core.backends.verl_omni.catalog import Recipe, get_recipe
 from omni_core.errors import ConfigError
 
-LOGGER = '["console","mlflow"]'
+LOGGER = '["console","file"]'  # verl's file logger: the driver relays it into MLflow (jobs.metrics)
 VERL_OMNI_ROOT = "/opt/venv/lib/python3.12/site-packages"  # where the CUDA image's pip puts verl_omni/
 VERL_OMNI_EXAMPLES = "/opt/verl-omni/examples"  # a recipe's non-package file (BAGEL's deploy config)
 
@@ -76,32 +76,41 @@ class RecipeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    algorithm: str | None = None
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio: float | None = None
-    rollout_n: int | None = Field(None, ge=1)
-    max_num_seqs: int | None = Field(None, ge=1)
-    step_execution: bool | None = None
-    execution_mode: Literal["sync", "separate_async"] | None = None
-    parameter_sync_step: int | None = Field(None, ge=1)
-    max_staleness: int | None = Field(None, ge=0)
-    staleness_policy: Literal["wait", "drop"] | None = None
-    lora_rank: int | None = Field(None, ge=0)
-    lora_alpha: int | float | None = None  # 64 stays 64 (the scripts spell it so), 0.5 stays 0.5
-    total_steps: int | None = Field(None, ge=1)
-    total_epochs: int | None = Field(None, ge=1)
-    batch_size: int | None = Field(None, ge=1)
-    ppo_mini_batch_size: int | None = Field(None, ge=1)
-    lr: float | None = None
-    save_freq: int | None = None
-    test_freq: int | None = None
-    max_to_keep: int | None = Field(None, ge=1)
-    resume_mode: Literal["auto", "disable"] | None = None
-    nnodes: int | None = Field(None, ge=1)
-    n_gpus_per_node: int | None = Field(None, ge=1)
-    overrides: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
+    algorithm: str | None = Field(None, description="The recipe's algorithm as a check (GSPO, DPO, FlowGRPO, ...); "
+                                                    "another is an error naming the recipe's.")
+    clip_ratio_low: float | None = Field(None, description="actor_rollout_ref.actor.clip_ratio_low.")
+    clip_ratio_high: float | None = Field(None, description="actor_rollout_ref.actor.clip_ratio_high.")
+    clip_ratio: float | None = Field(None, description="A diffusion recipe's actor_rollout_ref.actor.diffusion_loss."
+                                                       "clip_ratio.")
+    rollout_n: int | None = Field(None, ge=1, description="Responses (images) per prompt: actor_rollout_ref.rollout.n.")
+    max_num_seqs: int | None = Field(None, ge=1, description="The vLLM-Omni engine's max_num_seqs (rollout batching).")
+    step_execution: bool | None = Field(None, description="vLLM-Omni's step-level batching: "
+                                                          "actor_rollout_ref.rollout.step_execution.")
+    execution_mode: Literal["sync", "separate_async"] | None = Field(None, description="trainer.v1.trainer_mode.")
+    parameter_sync_step: int | None = Field(None, ge=1, description="separate_async: push weights every N steps "
+                                                                    "(trainer.v1.separate_async.parameter_sync_step).")
+    max_staleness: int | None = Field(None, ge=0, description="The V1 sampler's max_off_policy_threshold.")
+    staleness_policy: Literal["wait", "drop"] | None = Field(None, description="The V1 sampler's "
+                                                                               "max_off_policy_strategy.")
+    # 64 stays 64 (the scripts spell it so), 0.5 stays 0.5
+    lora_rank: int | None = Field(None, ge=0, description="actor_rollout_ref.model.lora_rank (0: no LoRA).")
+    lora_alpha: int | float | None = Field(None, description="actor_rollout_ref.model.lora_alpha.")
+    total_steps: int | None = Field(None, ge=1, description="trainer.total_training_steps.")
+    total_epochs: int | None = Field(None, ge=1, description="trainer.total_epochs.")
+    batch_size: int | None = Field(None, ge=1, description="Prompts per step: data.train_batch_size.")
+    ppo_mini_batch_size: int | None = Field(None, ge=1, description="actor_rollout_ref.actor.ppo_mini_batch_size.")
+    lr: float | None = Field(None, description="actor_rollout_ref.actor.optim.lr.")
+    save_freq: int | None = Field(None, description="Checkpoint every N steps: trainer.save_freq.")
+    test_freq: int | None = Field(None, description="Validate every N steps: trainer.test_freq.")
+    max_to_keep: int | None = Field(None, ge=1, description="trainer.max_actor_ckpt_to_keep.")
+    resume_mode: Literal["auto", "disable"] | None = Field(None, description="trainer.resume_mode.")
+    nnodes: int | None = Field(None, ge=1, description="Nodes of the job: trainer.nnodes.")
+    n_gpus_per_node: int | None = Field(None, ge=1, description="GPUs (NPUs) per node: trainer.n_gpus_per_node.")
+    overrides: list[str] = Field(default_factory=list, description="Hydra overrides appended verbatim, last (after "
+                                                                   "the recipe's and these options').")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables of the job, over the "
+                                                                  "script's exports (never secrets: those are "
+                                                                  "forwarded by name from the driver).")
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from omni_core.backends.verl_omni.export import RECIPE_LAYOUTS, export_for_recip
 from omni_core.backends.verl_omni.render import split_override
 from omni_core.backends.verl_omni.stage import (
     CHECKPOINTS,
+    METRICS,
     given_files,
     job_env,
     model_for,
@@ -136,12 +137,18 @@ class RecipeTrainer:
         cmd = recipe_command(stage, paths_for(stage, pipeline=inputs.pipeline, run_key=inputs.run_key, model=model,
                                               train_files=train, val_files=val))
         return PreparedJob(
-            command=cmd, env=job_env(cmd, tracking_uri=inputs.tracking_uri, mlflow_run_id=inputs.mlflow_run_id),
+            command=cmd, env=job_env(cmd), metrics_dir=run_dir / METRICS,
             resources=dict(stage.backend.entrypoint_resources or {}), checkpoints=run_dir / CHECKPOINTS,
             announce=f"VeRL-Omni recipe {cmd.recipe} as Ray Job",
             tags={"omni.backend": "verl_omni", "omni.verl_omni.recipe": cmd.recipe},
             record={"entrypoint": cmd.entrypoint, "argv": cmd.argv, "overrides": cmd.overrides, "env": cmd.env,
                     "substituted": cmd.substituted}, model=model)
+
+    def required_metrics(self, inputs: JobInputs) -> tuple[str, ...]:
+        return ()  # a recipe's metrics are its own (diffusion, DPO, omni RL): relayed, not required by name
+
+    def before_submit(self, client: Any, prepared: PreparedJob, inputs: JobInputs) -> None:
+        return None  # its packages (verl_omni, vLLM-Omni) are the CUDA image's; explain_failure names what is missing
 
     def explain_failure(self, log: str, prepared: PreparedJob) -> str:
         return f": {explain_failure(log, prepared.command.python)}"  # type: ignore[attr-defined]

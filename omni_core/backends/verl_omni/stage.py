@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from omni_core.backends.jobs.export import planned_model_path
-from omni_core.backends.jobs.job import describe_env, runtime_env, submission_id
+from omni_core.backends.jobs.job import command_digest, describe_env, runtime_env, submission_id
+from omni_core.backends.jobs.metrics import metrics_file
 from omni_core.backends.verl_omni.catalog import Recipe, get_recipe
 from omni_core.backends.verl_omni.export import (
     LAYOUT_CONVERTERS,
@@ -62,6 +63,7 @@ NOT_FOR_RECIPES = {
 EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
 GIVEN = "given"  # the recipe's data prepared by its own data_process script, named in backend.overrides
 CHECKPOINTS = "checkpoints"  # trainer.default_local_dir = run_dir/checkpoints; the scripts' log folders in run_dir
+METRICS = "metrics"  # run_dir/metrics: verl's file logger (omni_core.backends.jobs.metrics)
 
 
 def recipe_of(stage: Any) -> Recipe | None:
@@ -216,12 +218,13 @@ def verl_omni_problem(stage: Any, datasets: dict[str, Any]) -> str | None:
     return None
 
 
-def job_env(command: RecipeCommand, *, tracking_uri: str | None, mlflow_run_id: str | None) -> dict[str, Any]:
+def job_env(command: RecipeCommand, *, metrics_file: str | Path | None = None) -> dict[str, Any]:
     """The Ray Job's runtime env: `VERL_USE_EXTERNAL_MODULES=verl_omni` (verl's hook that imports verl_omni in
     every worker; the omni scripts export it, the diffusion ones run verl_omni's own entry points and do
-    not, it is set for every job), the script's exported variables, MLflow's run and the credentials
-    forwarded by name (omni_core.backends.jobs.job.runtime_env)."""
-    env = runtime_env(command, tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id)
+    not, it is set for every job), the script's exported variables, where verl's file logger writes (a
+    plan's; `submit` sets it per job) and the credentials forwarded by name
+    (omni_core.backends.jobs.job.runtime_env)."""
+    env = runtime_env(command, metrics_file=metrics_file)
     return {**env, "env_vars": {EXTERNAL_MODULES: "verl_omni", **env["env_vars"]}}
 
 
@@ -244,7 +247,8 @@ def plan(stage: Any, *, pipeline: str, seed: int, dataset: str, converter: str |
     model = planned_model_path(model_uri, backend.shared_dir, seed) if "<" not in model_uri else model_uri
     command = recipe_command(stage, paths_for(stage, pipeline=pipeline, run_key=key, model=model, train_files=train,
                                               val_files=val))
-    env = job_env(command, tracking_uri=tracking_uri, mlflow_run_id="<the stage's MLflow child run>")
+    job_id = submission_id(pipeline, stage.name, key, command_digest(command))
+    env = job_env(command, metrics_file=metrics_file(backend.run_dir(pipeline, key, stage.name) / METRICS, job_id))
     checkpoints = str(backend.run_dir(pipeline, key, stage.name) / CHECKPOINTS)
     dataset_entry = {"from": f"{dataset}@{version_text}", "to": str(folder),
                      "files": [f for split in files.values() for f in split], "layout": layout_name}
@@ -255,7 +259,7 @@ def plan(stage: Any, *, pipeline: str, seed: int, dataset: str, converter: str |
         "task": f"{backend.recipe or backend.entry_point}",
         "recipe": backend.recipe,
         "ray_address": ray_address,
-        "submission_id": submission_id(pipeline, stage.name, key),
+        "submission_id": job_id,
         "entrypoint": command.entrypoint,
         "overrides": command.overrides,
         "substituted": command.substituted,

@@ -36,6 +36,7 @@ from omni_core.backends.jobs.validation import (
 from omni_core.backends.verl_omni.render import RecipeCommand, _fmt
 from omni_core.backends.verl_omni.stage import (
     CHECKPOINTS,
+    METRICS,
     job_env,
     layout,
     model_for,
@@ -88,8 +89,7 @@ def prepare(validation: Any) -> PreparedJob:
         mirror.restore(ctx.store, stage_prefix(ctx.config.name, outputs["run_key"], trained.name), step, folder)
     cmd = validation_command(ctx.stage, trained, pipeline=ctx.config.name, run_key=outputs["run_key"], step=step,
                              model=model, train_files=train, val_files=train if validation.split == "train" else val)
-    return PreparedJob(command=cmd, env=job_env(cmd, tracking_uri=ctx.tracker.tracking_uri,
-                                                mlflow_run_id=ctx.mlflow_run_id),
+    return PreparedJob(command=cmd, env=job_env(cmd), metrics_dir=folder.parent / METRICS,
                        resources=dict(trained.backend.entrypoint_resources or {}), checkpoints=folder,
                        announce=f"VeRL-Omni recipe {cmd.recipe} as Ray Job", tags={},
                        record={"entrypoint": cmd.entrypoint, "argv": cmd.argv, "overrides": cmd.overrides,
@@ -109,7 +109,7 @@ def plan_validation(eval_stage: Any, trained: Any, config: Any) -> dict[str, Any
     model = planned_model_path(model_uri, trained.backend.shared_dir, config.seed) if "<" not in model_uri else model_uri
     cmd = validation_command(eval_stage, trained, pipeline=config.name, run_key="<run_key>", step="<N>",
                              model=model, train_files=files, val_files=files)
-    env = job_env(cmd, tracking_uri=config.tracking_uri, mlflow_run_id="<the eval stage's MLflow run>")
+    env = job_env(cmd, metrics_file=f"<{METRICS} folder of the trained stage's run>/<submission id>.jsonl")
     return {"backend": "verl_omni",
             "does": f"validates the final checkpoint of {trained.name} with its recipe's own trainer "
                     f"(trainer.val_only=True) as a Ray Job on {config.ray.address} on {eval_stage.data}",

@@ -39,6 +39,7 @@ from omni_core.lineage import log_dataset_version
 from omni_core.media_limits import MediaLimits, check_rows
 from omni_core.pipeline.stages import register_stage
 from omni_core.pipeline.stages.rl import dataset_for, input_dataset
+from omni_core.rewards.registry import custom_reward_file
 from omni_core.storage import file_sha256
 
 SAMPLES_TABLE = "eval_samples.json"
@@ -76,9 +77,14 @@ class _SourceContext:
 
 
 def reward_file(stage: EvalStage) -> Path | None:
-    from omni_core.rewards.registry import custom_reward_file
+    return custom_reward_file(stage.reward.name) if stage.reward is not None else None
 
-    return None if stage.reward is None else custom_reward_file(stage.reward.name)
+
+def absolute_reward(spec: str | None) -> str | None:
+    """A custom `path.py:function` reward with its path made absolute: the job runs as a Ray task, or a Ray
+    Job on a cluster's job server, whose working directory is not this process's."""
+    path = custom_reward_file(spec)
+    return f"{path.resolve()}:{spec.rpartition(':')[2]}" if path is not None and spec else spec
 
 
 def eval_inputs(ctx: Any) -> dict[str, Any]:
@@ -180,7 +186,7 @@ def build_job(ctx: Any, source: Any, rows: list[dict[str, Any]]) -> Any:
     path = reward_file(stage)
     return EvalJob(kind=kind, candidate=candidate, rows=rows, seed=ctx.config.seed, store=ctx.store,
                    settings=stage.model_dump(mode="json"),
-                   reward=reward, reward_sha256=file_sha256(path) if path else None, sampler=sampler,
+                   reward=absolute_reward(reward), reward_sha256=file_sha256(path) if path else None, sampler=sampler,
                    baseline=start if stage.baseline else None,
                    reference=start if kind == PAIRS and candidate.adapter_key is None else None)
 

@@ -30,6 +30,7 @@ from omni_core.lineage.training import log_training_result, log_training_start
 from omni_core.pipeline.report import curve_png
 from omni_core.pipeline.stages import register_stage
 from omni_core.pipeline.stages.build_images import upstream_images
+from omni_core.rewards.registry import custom_reward_file
 from omni_core.storage import file_sha256
 
 REWARD_METRICS = ("critic/score/mean", "actor/reward_margin", "actor/reward_accuracy")  # first one found
@@ -60,8 +61,6 @@ def input_dataset(ctx: Any) -> tuple[str, str, DatasetVersion]:
 
 def reward_file(stage: RLStage) -> Path | None:
     """The file of a custom `path.py:function` reward the algorithm uses, if any."""
-    from omni_core.rewards.registry import custom_reward_file
-
     if "reward" not in stage.model_dump(mode="json"):
         return None
     return custom_reward_file(stage.reward.name)
@@ -93,6 +92,10 @@ def rl_inputs(ctx: Any) -> dict[str, Any]:
         inputs["model"] = {"from": model.from_, "weights_sha256": model.weights_sha256}
     if (path := reward_file(ctx.stage)) is not None:
         inputs["reward_file_sha256"] = file_sha256(path)
+    from omni_core.training.ray_stage import backend_files_sha256
+
+    if files := backend_files_sha256(ctx.stage):
+        inputs["backend_files_sha256"] = files
     return inputs
 
 

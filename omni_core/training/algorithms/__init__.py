@@ -2,7 +2,7 @@
 factory and registers its record (omni_core.config.algorithms: the table, the record and the
 options base, re-exported here). The platform loads this package as a built-in plugin
 (omni_core.plugins) before the table is read; another package adds an algorithm the same way through
-the `omni_core.plugins` entry point group (README: Extending).
+the `omni_core.plugins` entry point group (docs/concepts/plugins.md).
 
 This package imports pydantic only (trainers are imported by the factories when a stage runs), so
 loading it costs no torch or Ray.

@@ -24,12 +24,14 @@ SFT = "sft"  # the one loss type that is not a function of the log-ratios
 class PreferenceOptions(AlgorithmOptions):
     """VeRL-Omni's `actor.omni_loss` names where they exist."""
 
-    name: Literal["dpo", "mpo"] = "dpo"
+    name: Literal["dpo", "mpo"] = Field("dpo", description="dpo: one pairwise loss; mpo: a weighted sum of loss "
+                                                           "types with an SFT term (docs/reference.md section 3.3).")
     loss_type: str | list[str] | None = Field(
         None, description="dpo: sigmoid | ipo | bco_pair (default sigmoid); mpo: a list (default sigmoid, bco_pair, sft)")
     loss_weights: list[float] | None = Field(None, description="One per loss type; mpo default 0.8, 0.2, 1.0.")
-    beta: float = Field(0.1, gt=0)
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    beta: float = Field(0.1, gt=0, description="Weight of the log-ratios in the implicit reward (DPO's beta).")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Conservative DPO: the chance a pair's preference "
+                                                                   "label is flipped.")
     average_log_prob: bool = Field(False, description="Length-normalised sequence log-probs.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     modality_weights: dict[str, Annotated[float, Field(ge=0)]] | None = Field(
@@ -82,4 +84,14 @@ for _name in ("dpo", "mpo"):
         model_kind=LANGUAGE_MODEL,
         stage_keys={"trainer": _TRAINER_KEYS}, defaults=_DEFAULTS,
         progress=((f"actor/{_name}_loss", "loss"), ("actor/reward_accuracy", "reward_acc"),
-                  ("actor/reward_margin", "margin"))))
+                  ("actor/reward_margin", "margin")),
+        metrics={
+            f"actor/{_name}_loss": "the step's preference loss (docs/reference.md section 3.3)",
+            "actor/{loss_type}_loss": "each loss type's own term (sigmoid, ipo, bco_pair, sft), when there are several",
+            "actor/chosen_rewards": "mean implicit reward beta * (log pi - log ref) of the chosen responses",
+            "actor/rejected_rewards": "the same, of the rejected responses",
+            "actor/reward_accuracy": "share of pairs whose chosen reward beats the rejected one",
+            "actor/reward_margin": "mean chosen - rejected reward",
+            "actor/grad_norm": "gradient norm before clipping",
+            "actor/lr": "learning rate",
+        }))

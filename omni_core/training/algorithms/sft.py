@@ -22,7 +22,7 @@ from omni_core.training.algorithms import (
 
 
 class SFTOptions(AlgorithmOptions):
-    name: Literal["sft"] = "sft"
+    name: Literal["sft"] = Field("sft", description="Supervised fine-tuning on the response tokens.")
     response: Literal["auto", "answer", "ground_truth", "chosen"] = Field(
         "auto", description="Which field of a row is the target response (module docstring).")
 
@@ -36,4 +36,6 @@ register_algorithm(Algorithm(
     stage_keys={"trainer": ("total_steps", "batch_size", "lr", "max_grad_norm", "max_prompt_tokens")},
     defaults={"trainer.lr": 3e-3, "trainer.batch_size": 32},
     progress=(("train/loss", "loss"), ("train/grad_norm", "grad_norm")),
+    metrics={"train/loss": "cross-entropy on the response tokens", "train/lr": "learning rate",
+             "train/grad_norm": "gradient norm before clipping"},
 ))
