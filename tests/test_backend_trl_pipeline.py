@@ -91,7 +91,8 @@ def grpo_example(env: dict, tracking_uri: str, name: str = "trl-grpo") -> dict:
     stages["grpo"].update({"rollout": {"n": 4, "max_new_tokens": 6}, "reward": {"name": f"{env['reward']}:score"},
                            "trainer": {"total_steps": GRPO_STEPS, "batch_size": 4, "lr": 1e-2},
                            "checkpoint": {"save_freq": SAVE_FREQ, "max_to_keep": None}})
-    stages["eval"].update({"max_rows": 8, "max_new_tokens": 6, "reward": {"name": f"{env['reward']}:score"}})
+    stages["eval"].update({"max_rows": 8, "max_new_tokens": 6, "reward": {"name": f"{env['reward']}:score"},
+                           "baseline": False})  # the starting model's score: one more model scored, asserts nothing here
     return config
 
 
@@ -156,7 +157,7 @@ def test_the_grpo_example_trains_on_trl_and_is_evaluated_registered_and_traced(g
     # eval, register, lineage and verify take the TRL checkpoint as they take a native one
     evaluated = run.outcomes["eval"].outputs
     assert evaluated["weights_sha256"] == grpo.outputs["weights_sha256"]
-    assert {"val/reward_mean", "val/reward_mean_baseline"} <= set(evaluated["metrics"])
+    assert "val/reward_mean" in evaluated["metrics"]
     assert run.outcomes["register"].outputs["version"]
     from flows.cli import app
 
