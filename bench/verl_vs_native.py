@@ -94,20 +94,10 @@ def run_one(backend: str, work: Path, ray_address: str, sft_steps: int, rl_steps
 
 
 def plot(native: dict, verl: dict, path: Path) -> None:
-    import matplotlib
+    from curves import plot_curves
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, figures in (("native", native), ("verl (device cpu)", verl)):
-        ax.plot(range(1, len(figures["score_mean"]) + 1), figures["score_mean"], marker="o", label=name)
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("critic/score/mean")
-    ax.set_title("digits, tiny://lm: native vs verl GRPO")
-    ax.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plot_curves({"native": native["score_mean"], "verl (device cpu)": verl["score_mean"]}, path, xlabel="GRPO step",
+                ylabel="critic/score/mean", title="digits, tiny://lm: native vs verl GRPO")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -88,15 +88,21 @@ def validate(
         for line in exc.errors:
             err_console.print(f"  {line}")
         raise typer.Exit(2) from None
-    _verl_hydra_check(config, pipeline_file)
+    _backend_prechecks(config, pipeline_file)
     console.print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
 
 
-def _verl_hydra_check(config: PipelineConfig, pipeline_file: Path) -> None:
-    """verl's Hydra composition of each verl stage's command (flows/verl_check.py); exit 2 on a refusal."""
-    from flows.verl_check import check_verl_stages
+def _backend_prechecks(config: PipelineConfig, pipeline_file: Path) -> None:
+    """Each used backend's own checks (omni_core.backends.precheck_pipeline: verl's Hydra composition,
+    TRL's config fields): notes on stderr; exit 2 on a refusal, naming its key."""
+    from omni_core.backends import precheck_pipeline
 
-    refused = check_verl_stages(config, err_console)
+    refused = []
+    for result in precheck_pipeline(config):
+        if result.refused:
+            refused.append(result.error())
+        else:
+            err_console.print(escape(result.note()))
     if refused:
         err_console.print(f"[red]{pipeline_file}: {len(refused)} error(s)[/red]")
         for line in refused:
@@ -119,7 +125,7 @@ def run(
 
     config = load_pipeline(pipeline_file, overrides or [])
     check_force(config, force)
-    _verl_hydra_check(config, pipeline_file)
+    _backend_prechecks(config, pipeline_file)
     if dry_run:
         _print_plan(config, as_json=False)
         return
@@ -149,7 +155,7 @@ def plan(
     """Print what every stage would do, in run order, and run nothing; for a verl stage its Ray Job's
     entry point, runtime environment (credentials redacted) and the files it stages."""
     config = load_pipeline(pipeline_file, overrides or [])
-    _verl_hydra_check(config, pipeline_file)
+    _backend_prechecks(config, pipeline_file)
     _print_plan(config, as_json)
 
 

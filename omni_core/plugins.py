@@ -29,6 +29,7 @@ BUILTIN = (
     "omni_core.backends.native",
     "omni_core.backends.verl",
     "omni_core.backends.verl_omni",
+    "omni_core.backends.trl",
     "omni_core.models.adapters",  # the kind of model each adapter (and built-in model) is
     "omni_core.data",  # the converters (which of them write preference pairs)
 )

@@ -8,8 +8,13 @@ validation look the backend up there (`backend_of(stage)`), never by name or cla
 - `native` (omni_core.backends.native): our trainer on Ray (the default).
 - `verl` (omni_core.backends.verl): verl's own trainers as Ray Jobs on a cluster whose nodes share a path.
 - `verl_omni` (omni_core.backends.verl_omni): a VeRL-Omni recipe as a Ray Job.
+- `trl` (omni_core.backends.trl): TRL's SFT, GRPO and DPO trainers on Ray Train (a `TorchTrainer`).
 
-The two external backends share the job machinery in omni_core.backends.jobs (submit, follow,
+`omni validate`, `omni plan` and `omni run` call every used backend's `precheck` (`precheck_pipeline`)
+before anything runs: what a backend checks with its own trainer's code (verl's Hydra composition,
+TRL's config fields) without running it.
+
+The two Ray Job backends share the job machinery in omni_core.backends.jobs (submit, follow,
 checkpoint mirror, export to the shared path, the runner skeleton, helper jobs); neither imports
 the other. Nothing here imports verl: the jobs run in verl's own environment.
 """
@@ -71,6 +76,28 @@ class CheckpointValidation:
     version: Any  # the DatasetVersion
 
 
+@dataclass(frozen=True)
+class PrecheckResult:
+    """One backend check of one stage before anything runs: `ok` and `skipped` are notes (the CLI prints
+    them on stderr), `refused` is an error at `stages.{stage}.{key}`."""
+
+    stage: str
+    status: str  # ok | skipped | refused
+    message: str
+    check: str  # what checked it, e.g. "verl hydra check": the note's subject
+    key: str = "backend.overrides"  # where under stages.NAME a refusal points
+
+    @property
+    def refused(self) -> bool:
+        return self.status == "refused"
+
+    def error(self) -> str:
+        return f"stages.{self.stage}.{self.key}: {self.message}"
+
+    def note(self) -> str:
+        return f"{self.check}, stage {self.stage}: {self.status}: {self.message}"
+
+
 @runtime_checkable
 class Backend(Protocol):
     """A training backend. `check` and `plan` read the config only (no cluster, no store writes)."""
@@ -80,6 +107,11 @@ class Backend(Protocol):
     def check(self, stage: Any, config: Any) -> str | None:
         """The first thing in `stage` (in `config`, the whole pipeline) this backend cannot run, as
         `stages.NAME.key: message`, or None. Runs at validation, after the algorithm's own checks."""
+
+    def precheck(self, config: Any) -> list[PrecheckResult]:
+        """The checks of this backend's stages in `config` that need the trainer's own code or environment
+        (no cluster, no store writes): `omni validate`, `omni plan` and `omni run` call it once per backend
+        the pipeline uses, after the config loaded. May be slow (another interpreter): cache what it can."""
 
     def plan(self, planned: PlannedTraining) -> dict[str, Any]:
         """The plan entry: `does` (one line) and whatever the backend shows besides (a Ray Job's
@@ -105,3 +137,18 @@ class Backend(Protocol):
         """Score the checkpoint with the trainer's validation: `metrics` (verl's `val-core/...` names as
         MLflow spells them, plus `val/reward_mean`), `logged` (the metric names the job already logged on
         the eval's run) and `where` (e.g. `job_id`)."""
+
+
+def precheck_pipeline(config: Any) -> list[PrecheckResult]:
+    """Every used backend's `precheck` of `config` (a backend without one checks nothing more), in stage
+    order."""
+    from omni_core.config.backends import backend_name, backend_of_name
+
+    used = dict.fromkeys(backend_name(s.backend) for s in config.stages if hasattr(s, "backend"))
+    results = [r for name in used for r in (getattr(backend_of_name(name), "precheck", None) or _none)(config)]
+    order = [s.name for s in config.stages]
+    return sorted(results, key=lambda r: order.index(r.stage) if r.stage in order else len(order))
+
+
+def _none(config: Any) -> list[PrecheckResult]:
+    return []

@@ -3,63 +3,22 @@ actors, checkpoints, restarts inside one try). Written `backend: native`, or lef
 
 from __future__ import annotations
 
-import queue
-import threading
-from concurrent.futures import Future
 from typing import Any
 
-from omni_core.backends import PlannedTraining, TrainingRun
+from omni_core.backends import PlannedTraining, PrecheckResult, TrainingRun
 from omni_core.config.backends import DEFAULT_BACKEND, BackendRecord, register_backend
 from omni_core.errors import ConfigError
 
 STEP_METRIC = "timing_s/step"  # every algorithm logs it once per step
-
-# Ray ties its processes to the thread that starts it (prctl PDEATHSIG): started from a task runner's
-# worker thread, it would die when that pool shuts down at the end of a flow run. So it is started
-# from the main thread, or from a daemon thread that lives until the process ends (not joined at exit,
-# so Ray's own atexit shutdown still finds its processes alive).
-_ray_calls: queue.Queue[tuple[Future, Any]] = queue.Queue()
-_ray_owner_lock = threading.Lock()
-_ray_owner: list[threading.Thread] = []
-
-
-def _own_ray() -> None:
-    from omni_core.training import ensure_ray
-
-    while True:
-        future, config = _ray_calls.get()
-        try:
-            ensure_ray(config)
-            future.set_result(None)
-        except BaseException as exc:  # handed to the caller
-            future.set_exception(exc)
-
-
-def start_ray(config: Any) -> None:
-    """Ray for the pipeline's `ray:` config, started from a thread that outlives the caller's."""
-    import ray
-
-    from omni_core.training import ensure_ray
-
-    if ray.is_initialized():
-        return
-    if threading.current_thread() is threading.main_thread():
-        ensure_ray(config)
-        return
-    with _ray_owner_lock:
-        if not _ray_owner:
-            _ray_owner.append(threading.Thread(target=_own_ray, name="omni-ray-owner", daemon=True))
-            _ray_owner[0].start()
-    future: Future = Future()
-    _ray_calls.put((future, config))
-    future.result()
-
 
 class NativeBackend:
     name = DEFAULT_BACKEND
 
     def check(self, stage: Any, config: Any) -> str | None:
         return None  # the algorithm's own checks (omni_core.config.models) are all a native stage needs
+
+    def precheck(self, config: Any) -> list[PrecheckResult]:
+        return []  # nothing outside the config to ask
 
     def plan(self, planned: PlannedTraining) -> dict[str, Any]:
         stage, config = planned.stage, planned.config
@@ -70,6 +29,7 @@ class NativeBackend:
         from omni_core.media_limits import MediaLimits
         from omni_core.pipeline.watch import StepWatcher
         from omni_core.training import run_rl_stage
+        from omni_core.training.ray_env import start_ray
 
         ctx, stage = run.ctx, run.stage
         start_ray(ctx.config.ray)

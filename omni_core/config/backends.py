@@ -36,6 +36,9 @@ class BackendOptions(BaseModel):
     decides_stage_keys: ClassVar[bool] = False
     # a stage that does not set `model:` trains the backend's own model (a recipe's)
     brings_model: ClassVar[bool] = False
+    # its final checkpoint is the stage's own model, trained (not a recipe's): a preference eval scores it
+    # against the stage's starting model as it scores a native stage's
+    trains_stage_model: ClassVar[bool] = False
 
     def dump_stage(self, stage: Any, data: dict[str, Any]) -> dict[str, Any]:
         """The stage's dump (and so its digest and run key) under this backend; as is by default."""
@@ -103,7 +106,10 @@ def parse_backend(value: Any) -> Any:
             raise ValueError(f"{value!r} is not a backend; use one of {known}")
         record = _BACKENDS[value]
         if record.options is not None:
-            raise ValueError(f"backend: {value} needs its options: {record.usage}")
+            try:  # options that all have defaults: the bare name is enough
+                return record.options.model_validate({"name": value})
+            except ValidationError:
+                raise ValueError(f"backend: {value} needs its options: {record.usage}") from None
         return value
     if not isinstance(value, dict):
         raise ValueError(f"must be a backend name or a mapping with name: (one of {known})")

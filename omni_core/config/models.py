@@ -583,8 +583,9 @@ class EvalStage(StageBase):
             return (f"{where}.data: '{key}' holds preference pairs (converter {config.datasets[key].converter}), "
                     f"scored against a preference model's reference, but stage '{source.name}' trains with "
                     f"{source.algorithm.name}: use a prompt dataset (e.g. gsm8k:test), or score a dpo/mpo stage")
-        if pairs and source.backend != "native":
-            return f"{where}.data: preference pairs are scored for native stages; '{source.name}' runs on {source.backend.name}"
+        if pairs and isinstance(source.backend, BackendOptions) and not source.backend.trains_stage_model:
+            return (f"{where}.data: preference pairs are scored against the trained stage's starting model; "
+                    f"'{source.name}' runs on {source.backend.name}, which trains a model of its own")
         if self.engine == "trainer":
             if self.skip_rows:
                 return f"{where}.skip_rows: a trainer's own validation scores the split from its first row; use engine: native"

@@ -369,6 +369,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("OMNI_CACHE_DIR") or Path.home() / ".cache" / "omni").expanduser()
 
 
+def tiny_model_built(name: str = "lm", *, seed: int = 0, cache_dir: str | Path | None = None) -> Path | None:
+    """The directory of built-in tiny model `name` if it is built already, else None (nothing is built)."""
+    make_recipe, _ = _recipe_and_builder(name)
+    root = (Path(cache_dir) if cache_dir is not None else cache_root()) / "tiny"
+    final = root / f"{name}-{digest(make_recipe(seed))}"
+    return final if final.is_dir() else None
+
+
 def tiny_model_dir(name: str = "lm", *, seed: int = 0, cache_dir: str | Path | None = None) -> Path:
     """Return the directory of built-in tiny model `name`, building it on first use.
 

@@ -102,4 +102,5 @@ def format_plan(entries: list[dict[str, Any]]) -> str:
                 lines.append(f"  substituted in the recipe's overrides: {'; '.join(e['substituted'])}")
             if "checkpoints" in e:
                 lines.append(f"  checkpoints: {e['checkpoints']}/global_step_N (mirrored to the store)")
+        lines += [f"  {line}" for line in e.get("details", ())]  # any backend's own lines
     return "\n".join(lines)

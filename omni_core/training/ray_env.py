@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +154,41 @@ def init_ray(cfg: RayConfig) -> None:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise OmniError(f"ray.address {cfg.address}: cannot connect ({exc}); start the cluster (with "
                         "RAY_AUTH_TOKEN set if it uses token authentication) or use ray.address=local") from exc
+
+
+# Ray ties its processes to the thread that starts it (prctl PDEATHSIG): started from a task runner's
+# worker thread, it would die when that pool shuts down at the end of a flow run. So it is started
+# from the main thread, or from a daemon thread that lives until the process ends (not joined at exit,
+# so Ray's own atexit shutdown still finds its processes alive).
+_ray_calls: queue.Queue[tuple[Future, Any]] = queue.Queue()
+_ray_owner_lock = threading.Lock()
+_ray_owner: list[threading.Thread] = []
+
+
+def _own_ray() -> None:
+    while True:
+        future, config = _ray_calls.get()
+        try:
+            init_ray(config)
+            future.set_result(None)
+        except BaseException as exc:  # handed to the caller
+            future.set_exception(exc)
+
+
+def start_ray(config: RayConfig) -> None:
+    """Ray for the pipeline's `ray:` config (`init_ray`), started from a thread that outlives the caller's:
+    what a stage calls (a native stage's actors, a trl stage's Ray Train run, an eval task)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if threading.current_thread() is threading.main_thread():
+        init_ray(config)
+        return
+    with _ray_owner_lock:
+        if not _ray_owner:
+            _ray_owner.append(threading.Thread(target=_own_ray, name="omni-ray-owner", daemon=True))
+            _ray_owner[0].start()
+    future: Future = Future()
+    _ray_calls.put((future, config))
+    future.result()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_core.backends import PlannedTraining
+from omni_core.backends import PlannedTraining, PrecheckResult
 from omni_core.backends.jobs.backend import JobBackend
 from omni_core.backends.jobs.options import cluster_problem
 
@@ -17,6 +17,15 @@ class VerlJobBackend(JobBackend):
         from omni_core.backends.verl.stage import verl_problem
 
         return verl_problem(stage) or cluster_problem(stage, config, "on verl")
+
+    def precheck(self, config: Any) -> list[PrecheckResult]:
+        """verl's own Hydra composition of each verl stage's command (and of an `engine: trainer` eval of
+        one) in verl's interpreter (omni_core.backends.verl.precheck): refused with Hydra's message, or a
+        note that it composed or why the check was skipped."""
+        from omni_core.backends.verl.precheck import check_pipeline
+
+        return [PrecheckResult(r.stage, r.status, r.message, "verl hydra check") for r in check_pipeline(config)
+                if _verl_or_eval(config.stage(r.stage))]
 
     def plan(self, planned: PlannedTraining) -> dict[str, Any]:
         from omni_core.backends.verl.stage import plan
@@ -32,6 +41,14 @@ class VerlJobBackend(JobBackend):
         from omni_core.backends.verl.runner import VerlTrainer
 
         return VerlTrainer()
+
+
+def _verl_or_eval(stage: Any) -> bool:
+    """A verl training stage, or a stage that trains nothing (an eval by a verl stage's validation): the
+    stages of other backends are theirs to check."""
+    from omni_core.config.backends import backend_name
+
+    return not hasattr(stage, "backend") or backend_name(stage.backend) == "verl"
 
 
 BACKEND = VerlJobBackend()

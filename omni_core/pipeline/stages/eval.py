@@ -281,10 +281,9 @@ def log_result(ctx: Any, result: dict[str, Any], metrics: dict[str, float], rows
 @register_stage("eval", version="1", inputs=eval_inputs, digest=eval_digest, reuse=log_reused,
                 reads=lambda stage: [stage.split()[0]], volatile_config=frozenset({"batch_size", "resources"}))
 def run_eval(ctx: Any) -> dict[str, Any]:
-    from omni_core.backends.native import start_ray
     from omni_core.evaluation.job import run_on_ray
     from omni_core.evaluation.ray_job import is_jobs_api, run_as_ray_job
-    from omni_core.training.ray_env import is_local
+    from omni_core.training.ray_env import is_local, start_ray
 
     stage: EvalStage = ctx.stage
     source = source_outcome(ctx, "checkpoint_from", TRAINING_KINDS)
