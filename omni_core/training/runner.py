@@ -81,6 +81,21 @@ def is_dropped(step: int, execution: ExecutionConfig) -> bool:
             and step - rollout_version(step, execution) > execution.max_staleness)
 
 
+
+# How many times this process's trainings were told to stop (NativeBackend.cancel: Ctrl-C, a cancel's
+# SIGTERM, a sweep pruning a variant). The actors end with the process, but until it is gone the driver
+# thread would go on training and committing checkpoints; each runner compares this count with the one
+# it started at before every step. A count, not a flag: a later run in the same process trains.
+_cancels = [0]
+
+
+def cancel_trainings() -> None:
+    _cancels[0] += 1
+
+
+class TrainingCancelled(OmniError):
+    """The pipeline run was interrupted: the training stopped before its next step."""
+
 class Recoverable(OmniError):
     """An attempt ended by a fault the runner restarts from (lost actor, storage error)."""
 
@@ -128,6 +143,7 @@ class StageRunner:
         # what a recovery resumes from when the stage does not resume from the latest checkpoint:
         # where the first attempt started (None: step 0), then each checkpoint this run commits
         self._own_checkpoint: dict[str, Any] | None = None
+        self._cancels_at_start = _cancels[0]
 
     # ---- public --------------------------------------------------------------------------------
 
@@ -297,6 +313,8 @@ class StageRunner:
         last = time.perf_counter()
         manifest_out: dict[str, Any] | None = None
         for step in range(start, total):
+            if _cancels[0] != self._cancels_at_start:
+                raise TrainingCancelled(f"stage {stage.name}: cancelled before step {step + 1}/{total}")
             launch_ready()
             if split:
                 parts, scores = pending.pop(step)
