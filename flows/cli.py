@@ -52,6 +52,7 @@ def _mount_subcommands() -> None:
     from flows.cli_lineage import register_commands as register_lineage
     from flows.cli_recipes import register_commands as register_recipes
     from flows.cli_server import server_app
+    from flows.cli_sweep import sweep_app
     from flows.cli_verify import register_commands as register_verify
 
     app.command("ingest")(ingest_command)
@@ -59,6 +60,7 @@ def _mount_subcommands() -> None:
     app.add_typer(datasets_app, name="datasets")
     app.add_typer(image_app, name="image")
     app.add_typer(server_app, name="server")
+    app.add_typer(sweep_app, name="sweep")  # sweep PIPELINE SWEEP | status
     register_commands(app)  # deploy, serve, status
     register_verify(app)  # verify
     register_lineage(app)  # lineage

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from prefect import flow
 from prefect.futures import PrefectFuture, as_completed
@@ -32,6 +32,24 @@ def _prefect_tags() -> dict[str, str]:
     return tags
 
 
+class RunHooks(Protocol):
+    """What a sweep's variant process (flows/sweep_variant.py) adds to the pipeline run it hosts: MLflow
+    tags for the pipeline run, a wait before a stage starts (the sweep's go-ahead), the summary at the end."""
+
+    tags: dict[str, str]
+
+    def before_stage(self, name: str) -> None: ...
+
+    def finished(self, summary: dict[str, Any]) -> None: ...
+
+
+_hooks: list[RunHooks] = []  # at most one: set for the whole process by `use_hooks`
+
+
+def use_hooks(hooks: RunHooks) -> None:
+    _hooks[:] = [hooks]
+
+
 # Parameters are validated by resolve_pipeline (messages name the stage, not its index), not by Prefect.
 @flow(name="pipeline", log_prints=True, validate_parameters=False)
 def pipeline(pipeline_file: str | None = None, config: PipelineConfig | None = None,
@@ -39,13 +57,14 @@ def pipeline(pipeline_file: str | None = None, config: PipelineConfig | None = N
     """Run a pipeline: `pipeline_file` (a YAML path) or `config` (the pipeline inline), with dotted
     `overrides` (stages.rl.trainer.total_steps=3); `force` names stages to redo although cached."""
     quiet_startup()  # before a stage starts Ray or loads a model
-    run = PipelineRun.start(resolve_pipeline(pipeline_file, config, overrides), tags=_prefect_tags(),
+    extra = _hooks[0].tags if _hooks else {}
+    run = PipelineRun.start(resolve_pipeline(pipeline_file, config, overrides), tags={**_prefect_tags(), **extra},
                             force=force or [])
     try:
         futures = run_graph(run)
     except BaseException:  # also Ctrl-C and a cancel's SIGTERM (Prefect's TerminationSignal), in this thread
         run.cancel()  # stop the stages' external jobs (verl's Ray Jobs) before the process goes
-        run.finish(ok=False)
+        _finished(run.finish(ok=False))
         raise
     failed = []
     for name in run.graph.order:
@@ -58,10 +77,16 @@ def pipeline(pipeline_file: str | None = None, config: PipelineConfig | None = N
             run.stage_failed(name, future.result(raise_on_failure=False))
             failed.append(future)
     summary = {**run.finish(ok=not failed), "prefect_flow_run_url": _flow_run_url()}
+    _finished(summary)
     publish_run_artifacts(summary, summary["prefect_flow_run_url"])
     if failed:
         failed[0].result()  # raises the first failed stage's error (in dependency order)
     return summary
+
+
+def _finished(summary: dict[str, Any]) -> None:
+    for hooks in _hooks:
+        hooks.finished(summary)
 
 
 def run_graph(run: PipelineRun) -> dict[str, PrefectFuture]:
@@ -72,6 +97,8 @@ def run_graph(run: PipelineRun) -> dict[str, PrefectFuture]:
     while True:
         done = {name for name in finished if futures[name].state.is_completed()}
         for name in run.graph.ready(done, started=set(futures)):
+            for hooks in _hooks:
+                hooks.before_stage(name)
             upstream = {a: futures[a] for a in run.graph.ancestors(name)}
             # quote: Prefect must not look into the run for upstream results (edges come from `upstream`)
             futures[name] = stage_task(run.config.stage(name)).submit(quote(run), name, upstream)

@@ -14,10 +14,11 @@ from pathlib import Path
 
 
 @contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Holds an exclusive lock on `path` (created if missing) for the with-block; waits for it."""
+def file_lock(path: Path, wait: bool = True) -> Iterator[None]:
+    """Holds an exclusive lock on `path` (created if missing) for the with-block; waits for it, or
+    (`wait=False`) raises BlockingIOError when another process holds it."""
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        fcntl.flock(f, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
             yield
         finally:

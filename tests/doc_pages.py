@@ -134,6 +134,9 @@ def omni_problem(root: Any, args: list[str]) -> str | None:
     args = [re.sub(r"^\[(.+?)(\.\.\.)?\]$", r"\1", a) for a in args if a != "--debug"]
     while hasattr(command, "commands") and args and not args[0].startswith("-"):
         name = args.pop(0)
+        if name not in command.commands and getattr(command, "default_command", None):
+            args.insert(0, name)  # a group that runs its default command on other words (`omni sweep FILE ...`)
+            name = command.default_command
         if name not in command.commands:
             return f"{' '.join(path)} has no command {name!r} (has: {', '.join(sorted(command.commands))})"
         command, path = command.commands[name], [*path, name]

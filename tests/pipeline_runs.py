@@ -103,3 +103,35 @@ def check_sweep(client: Any, model_name: str, experiment: str, runs: int) -> dic
     promoted = [v for v in versions if v.tags.get("omni.promotion") == "promoted"]
     assert str(champion) in {str(v.version) for v in promoted}
     return scores
+
+
+# ---- the sweep of tests/test_sweep.py and tests/test_scaled_stack.py ------------------------------
+
+# Three learning rates in the order the grid's seed 14 gives (0.03, 0.001, 0.01); with the training seed 0,
+# ASHA (sync, eta 2: rungs at steps 2 and 4 of 6) prunes the second at step 2 (its reward falls behind the
+# first's) and keeps the third (started when the second stopped) at both rungs.
+SWEEP_FILE = {
+    "name": "tiny-lr", "method": "grid", "seed": 14,
+    "parameters": {"stages.rl.trainer.lr": {"values": [1e-2, 3e-2, 1e-3]}},
+    "early_terminate": {"type": "asha", "min_steps": 2, "eta": 2, "mode": "sync"},
+    "report_on": {"skip_rows": 2, "max_rows": 2},  # the held-out eval: rows 2-3 of the test split
+    "max_concurrent": 2,
+}
+
+
+def sweep_files(workdir: Path, *, store: str, tracking_uri: str, model_name: str,
+                ray: dict[str, Any] | None = None) -> tuple[Path, Path]:
+    """The digits pipeline above with 6 rl steps (a checkpoint each) and 2 eval rows, and SWEEP_FILE."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = digits_pipeline(workdir, name="sweep-digits", store=store, tracking_uri=tracking_uri, seed=0,
+                             model_name=model_name, samples=0)
+    rl = next(s for s in config["stages"] if s["name"] == "rl")
+    rl["trainer"]["total_steps"] = 6
+    rl["checkpoint"] = {"save_freq": 1}
+    next(s for s in config["stages"] if s["name"] == "eval")["max_rows"] = 2
+    if ray is not None:
+        config["ray"] = ray
+    pipeline, sweep = workdir / "pipeline.yaml", workdir / "sweep.yaml"
+    pipeline.write_text(yaml.safe_dump(config))
+    sweep.write_text(yaml.safe_dump(SWEEP_FILE))
+    return pipeline, sweep

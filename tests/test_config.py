@@ -241,8 +241,17 @@ def test_cli_rl_algorithm_error_is_one_line(tmp_path: Path) -> None:
     assert yaml.safe_load(ok.stdout)["stages"][1]["algorithm"]["name"] == "dpo"
 
 
+SWEEPS = {"sweep_demo.yaml": "demo.yaml"}  # an example sweep file -> the pipeline it sweeps
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_example_pipeline_validates(path: Path) -> None:
+    if path.name in SWEEPS:  # a sweep file: planned against its pipeline (keys, metrics, rungs, variants)
+        from omni_core.sweep.plan import plan_sweep
+        from omni_core.sweep.spec import load_sweep
+
+        assert plan_sweep(load_sweep(path), str(ROOT / "configs" / SWEEPS[path.name])).variants
+        return
     config = load_pipeline(path)
     assert config.ordered_stages()  # references, dependency order and per-algorithm options all check out
 

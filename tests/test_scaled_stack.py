@@ -8,7 +8,8 @@ whose nodes lack the driver's S3 variables. Then:
 the UI's Run button does) pointing the digits pipeline (ingest -> rl -> eval -> register) at the S3
 store, the MLflow server and the cluster (tests/test_concurrency.py's sweep); they complete, the rl
 stage's actors ran on the cluster's worker node, the registry holds one version per distinct
-checkpoint, the registered model's lineage and `omni verify --store s3://...` pass. Faults: Postgres restarted
+checkpoint, the registered model's lineage and `omni verify --store s3://...` pass; then `omni sweep` with
+tests/test_sweep.py's sweep file on the same servers, store and cluster. Faults: Postgres restarted
 while the servers run (the next run succeeds, no earlier run lost); unauthenticated calls refused
 by Prefect, MLflow and the Ray job server; no secret in a dump of the databases or in a log (the
 servers', the worker's, Postgres', every Ray log); the worker node's raylet SIGKILLed during a
@@ -40,7 +41,7 @@ import httpx
 import pytest
 import yaml
 from auth_servers import iam_moto, mlflow_server, prefect_server, stop
-from pipeline_runs import check_sweep, digits_pipeline, sweep_configs
+from pipeline_runs import check_sweep, digits_pipeline, sweep_configs, sweep_files
 from postgres import pg_bin, start_postgres
 from ray_cluster import start_cluster
 
@@ -298,6 +299,56 @@ def test_a_sweep_of_four_runs_at_once_on_the_stack(stack: dict, sweep: dict) -> 
     assert lineage.returncode == 0, lineage.stdout + lineage.stderr
     verify = omni(stack, "verify", "--store", store)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_the_sweep_of_tests_test_sweep_runs_unchanged_on_the_stack(stack: dict) -> None:
+    """`omni sweep` with tests/test_sweep.py's sweep file, its pipeline pointed at the S3 store, the MLflow
+    server and the cluster: the shared stage once, every run of it on the cluster,
+    ASHA's decisions (sync: the same as on the embedded default), the winner registered with the sweep's
+    tags, the comparison in S3, the variants' flow runs under the sweep's on the Postgres-backed Prefect."""
+    from mlflow import MlflowClient
+
+    from omni_core.storage import Store
+
+    store = f"s3://{stack['bucket']}/sweep-omni"
+    pipeline, sweep_file = sweep_files(stack["folder"] / "omni-sweep", store=store, tracking_uri=stack["mlflow"].url,
+                                       model_name="stack-omni-sweep", ray={"address": stack["cluster"].address})
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "sweep", str(pipeline), str(sweep_file)],
+                          cwd=stack["folder"] / "omni-sweep", env=stack["env"], capture_output=True, text=True,
+                          timeout=540)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "on the cluster at " in done.stdout + done.stderr and "shared stages ingest" in done.stdout
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("OMNI_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+            mp.setenv(name, stack["env"][name])
+        s3 = Store(store)
+        [spec] = [k for k in s3.list("sweeps/") if k.endswith("/spec.json")]
+        prefix = spec.rsplit("/", 1)[0]
+        records = [s3.read_json(k) for k in sorted(s3.list(f"{prefix}/variants/"))]
+        assert s3.exists(f"{prefix}/report/training_curves.png")
+    statuses = [r["status"] for r in records]
+    assert statuses.count("completed") >= 2 and statuses.count("pruned") >= 1, statuses
+    os.environ.update(stack["mlflow"].client_env())
+    try:
+        client = MlflowClient(stack["mlflow"].url)
+        experiment = client.get_experiment_by_name("sweep-digits").experiment_id
+        ingests = [r for r in client.search_runs([experiment], "tags.`omni.stage` = 'ingest'")
+                   if r.data.tags.get("omni.stage_cache") != "hit"]
+        version = client.get_model_version("stack-omni-sweep", "1")
+    finally:
+        for name in stack["mlflow"].client_env():
+            os.environ.pop(name, None)
+    assert len(ingests) == 1 and ingests[0].data.tags["omni.sweep.role"] == "shared"
+    best = min((r for r in records if r["status"] == "completed"), key=lambda r: (-r["select"], r["index"]))
+    assert version.tags["omni.sweep.variant"] == best["label"] and version.tags["omni.sweep.rank"] == "1"
+    requests = [json.loads(p.read_text()) for p in (stack["folder"] / "omni-sweep").glob(".omni/sweeps/*/*.request.json")]
+    assert {r["data"]["ray"]["address"] for r in requests} == {stack["cluster"].address}  # no Ray of the sweep's own
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    with api(stack) as prefect:
+        runs = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=["sweep:tiny-lr"])))
+        parents = {prefect.read_task_run(r.parent_task_run_id).flow_run_id for r in runs if r.parent_task_run_id}
+    assert len(runs) >= 5 and len(parents) == 1  # shared, three variants, the winner: children of one sweep run
 
 
 def test_the_worker_killed_during_a_run_crashes_it_and_a_rerun_resumes_from_the_checkpoint(

@@ -43,7 +43,10 @@ class NativeBackend:
                 progress=ctx.progress, media_limits=MediaLimits.of(ctx.config.datasets.get(run.dataset)))
 
     def cancel(self) -> dict[str, str | None]:
-        return {}  # its Ray actors live in this process's Ray job: they end with it
+        from omni_core.training.runner import cancel_trainings
+
+        cancel_trainings()  # its actors end with this process's Ray job; no step or checkpoint until then
+        return {}
 
     def retries(self, stage: Any) -> tuple[int, list[float]] | None:
         return None  # it restarts its own actors `max_failures` times inside one try: the kind's retries apply

@@ -97,28 +97,34 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override '{override}': {exc.args[0].split(' (line')[0]}; keep one") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"override '{override}': value is not valid YAML; quote it") from exc
-        keys = path.split(".")
-        node: Any = data
-        for i, key in enumerate(keys):
-            last = i == len(keys) - 1
-            where = ".".join(keys[: i + 1])
-            if isinstance(node, list):
-                index = _list_index(node, key)
-                if index is None:
-                    names = [str(item.get("name")) for item in node if isinstance(item, dict)]
-                    raise ConfigError(f"override '{override}': no item '{key}' in {'.'.join(keys[:i]) or 'root'} (have: {', '.join(names)})")
-                if last:
-                    node[index] = value
-                else:
-                    node = node[index]
-            elif isinstance(node, dict):
-                if last:
-                    node[key] = value
-                else:
-                    node = node.setdefault(key, {})
-            else:
-                raise ConfigError(f"override '{override}': '{where}' goes inside a {type(node).__name__}, not a mapping")
+        set_path(data, path, value, f"override '{override}'")
     return data
+
+
+def set_path(data: dict[str, Any], path: str, value: Any, what: str) -> None:
+    """Set dotted `path` of a pipeline mapping to `value`, addressing stages by name (or index) as
+    overrides do; a ConfigError starting with `what` when the path goes through a missing item."""
+    keys = path.split(".")
+    node: Any = data
+    for i, key in enumerate(keys):
+        last = i == len(keys) - 1
+        where = ".".join(keys[: i + 1])
+        if isinstance(node, list):
+            index = _list_index(node, key)
+            if index is None:
+                names = [str(item.get("name")) for item in node if isinstance(item, dict)]
+                raise ConfigError(f"{what}: no item '{key}' in {'.'.join(keys[:i]) or 'root'} (have: {', '.join(names)})")
+            if last:
+                node[index] = value
+            else:
+                node = node[index]
+        elif isinstance(node, dict):
+            if last:
+                node[key] = value
+            else:
+                node = node.setdefault(key, {})
+        else:
+            raise ConfigError(f"{what}: '{where}' goes inside a {type(node).__name__}, not a mapping")
 
 
 def _list_index(items: list[Any], key: str) -> int | None:

@@ -502,7 +502,7 @@ def _model_from_problem(config: Any, stage: RLStage) -> str | None:
 # Keys added to the eval and register stages after the first example pipelines: left at their
 # defaults they are not dumped, so the stage cache keys and config digests stay what they were.
 _EVAL_QUIET_DEFAULTS: dict[str, Any] = {"engine": "native", "resources": None, "baseline": False, "num_steps": None,
-                                        "guidance_scale": None, "noise_level": 0.0, "beta": None}
+                                        "guidance_scale": None, "noise_level": 0.0, "beta": None, "skip_rows": 0}
 
 
 class EvalStage(StageBase):
@@ -544,7 +544,10 @@ class EvalStage(StageBase):
                                                       "sampler.")
     beta: float | None = Field(None, gt=0, description="Preference: the implicit reward's beta; default: the "
                                                        "trained stage's algorithm.beta.")
-    max_rows: int | None = Field(None, ge=1, description="Score only the first N rows of the split; null: all.")
+    skip_rows: int = Field(0, ge=0, description="Leave out the first N rows of the split (e.g. a held-out part "
+                                                "beside another eval's first rows); max_rows counts after them.")
+    max_rows: int | None = Field(None, ge=1, description="Score only the first N rows of the split (after "
+                                                         "skip_rows); null: all.")
     batch_size: int = Field(64, ge=1, description="Prompts (pairs) generated (scored) together.")
     samples: int = Field(16, ge=0, description="Rows whose prompt, responses, ground truth and scores are kept "
                                                "as the eval_samples.json table (diffusion: images in the grid).")
@@ -584,6 +587,8 @@ class EvalStage(StageBase):
             return (f"{where}.data: preference pairs are scored against the trained stage's starting model; "
                     f"'{source.name}' runs on {source.backend.name}, which trains a model of its own")
         if self.engine == "trainer":
+            if self.skip_rows:
+                return f"{where}.skip_rows: a trainer's own validation scores the split from its first row; use engine: native"
             return backend_of(source).validation_problem(self, source)
         if self.engine == "vllm_omni":
             if pairs or source.record.model_kind != LANGUAGE_MODEL:

@@ -25,6 +25,10 @@ def _run_line(run: dict[str, Any]) -> list[str]:
     return parts
 
 
+def _score(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
 def _run_url(chain: dict[str, Any], run: dict[str, Any]) -> str:
     from omni_core.lineage.tracking import mlflow_run_url
 
@@ -50,6 +54,11 @@ def format_lineage(chain: dict[str, Any], files: bool = False) -> list[str]:
             if mv["promotion_reason"]:
                 decision += f" ({mv['promotion_reason']})"
             add(1, decision)
+        if sweep := mv.get("sweep"):
+            add(1, f"won sweep {sweep['name']} ({sweep['id']}, MLflow run {sweep['run_id'] or '-'}): variant "
+                   f"{sweep['variant']}, rank {sweep['rank']} of {sweep['n_variants']}, {sweep['metric']} "
+                   f"{_score(sweep['score_select'])} on {sweep['select_on']} (selected), "
+                   f"{_score(sweep['score_report'])} on {sweep['report_on']} (reported)")
         depth = 1
     ev = chain.get("eval")
     if ev:

@@ -190,7 +190,24 @@ def model_version_summary(version: Any) -> dict[str, Any]:
         "promotion_reason": tags.get("omni.promotion_reason", ""),
         "champion_score": float(tags["omni.champion_score"]) if tags.get("omni.champion_score") else None,
         "champion_version": tags.get("omni.champion_version", ""), "tags": dict(sorted(tags.items())),
+        "sweep": sweep_summary(tags),
     }
+
+
+def sweep_summary(tags: dict[str, str]) -> dict[str, Any] | None:
+    """The sweep a version won (omni_core.sweep tags it), or None."""
+    if not tags.get("omni.sweep.id"):
+        return None
+    def number(key: str) -> float | None:
+        return float(tags[key]) if tags.get(key) else None
+
+    return {"name": tags.get("omni.sweep.name", ""), "id": tags["omni.sweep.id"],
+            "run_id": tags.get("omni.sweep.run_id", ""), "variant": tags.get("omni.sweep.variant", ""),
+            "rank": tags.get("omni.sweep.rank", ""), "metric": tags.get("omni.sweep.metric", ""),
+            "select_on": tags.get("omni.sweep.select_on", ""), "report_on": tags.get("omni.sweep.report_on", ""),
+            "score_select": number("omni.sweep.score_select"), "score_report": number("omni.sweep.score_report"),
+            "n_variants": tags.get("omni.sweep.n_variants", ""), "spec_digest": tags.get("omni.sweep.spec_digest", ""),
+            "overrides": tags.get("omni.sweep.overrides", "")}
 
 
 def eval_summary(run: Any) -> dict[str, Any]:

@@ -60,6 +60,7 @@ from omni_core.training.checkpoint import (
     read_manifest,
     stage_prefix,
 )
+from omni_core.training.placement import actor_demand, actor_roles, rollout_in_trainer, separate_workers
 
 _LOST = (RayActorError, OutOfMemoryError, WorkerCrashedError, ObjectLostError)
 
@@ -74,19 +75,26 @@ def rollout_version(step: int, execution: ExecutionConfig) -> int:
     return -(-lag // every) * every if execution.staleness_policy == "wait" else lag // every * every
 
 
-def rollout_in_trainer(stage: RLStage) -> bool:
-    """Sync mode, one rollout worker, no rollout or reward resources: the trainer actor generates and
-    scores (module docstring); rollout workers would only wait their turn."""
-    ex = stage.execution
-    return (stage.record.separate_async and ex.mode == "sync" and ex.rollout_workers == 1
-            and not {"rollout", "reward"} & set(stage.resources))
-
-
 def is_dropped(step: int, execution: ExecutionConfig) -> bool:
     """With staleness_policy drop, a batch staler than max_staleness is generated but not trained on."""
     return (execution.mode == "separate_async" and execution.staleness_policy == "drop"
             and step - rollout_version(step, execution) > execution.max_staleness)
 
+
+
+# How many times this process's trainings were told to stop (NativeBackend.cancel: Ctrl-C, a cancel's
+# SIGTERM, a sweep pruning a variant). The actors end with the process, but until it is gone the driver
+# thread would go on training and committing checkpoints; each runner compares this count with the one
+# it started at before every step. A count, not a flag: a later run in the same process trains.
+_cancels = [0]
+
+
+def cancel_trainings() -> None:
+    _cancels[0] += 1
+
+
+class TrainingCancelled(OmniError):
+    """The pipeline run was interrupted: the training stopped before its next step."""
 
 class Recoverable(OmniError):
     """An attempt ended by a fault the runner restarts from (lost actor, storage error)."""
@@ -135,6 +143,7 @@ class StageRunner:
         # what a recovery resumes from when the stage does not resume from the latest checkpoint:
         # where the first attempt started (None: step 0), then each checkpoint this run commits
         self._own_checkpoint: dict[str, Any] | None = None
+        self._cancels_at_start = _cancels[0]
 
     # ---- public --------------------------------------------------------------------------------
 
@@ -205,23 +214,15 @@ class StageRunner:
         return self.attempt
 
     def _workers(self) -> bool:
-        """Rollout (and reward) actors of their own; else the trainer generates (`rollout_in_trainer`) or
-        runs its whole step (an algorithm without separate rollout)."""
-        return self.stage.record.separate_async and not rollout_in_trainer(self.stage)
+        return separate_workers(self.stage)
 
     def _roles(self, split: bool) -> list[str]:
-        """One role per actor of an attempt: the trainer, then its rollout and reward workers."""
-        ex = self.stage.execution
-        return ["trainer"] + ["rollout"] * (ex.rollout_workers if split else 0) \
-            + ["reward"] * (ex.reward_workers if split and ex.async_reward else 0)
+        """One role per actor of an attempt (`split` is `_workers()`, which actor_roles reads itself)."""
+        return actor_roles(self.stage)
 
     def _demand(self, split: bool) -> dict[str, float]:
         """The resources all of this stage's actors ask for together."""
-        demand: dict[str, float] = {}
-        for role in self._roles(split):
-            for name, amount in self.stage.role_resources(role).items():
-                demand[name] = demand.get(name, 0.0) + amount
-        return {k: v for k, v in demand.items() if v}
+        return actor_demand(self.stage)
 
     def _check_capacity(self, split: bool) -> None:
         """Ray waits, without a word, for resources that never come: a stage asking more than a
@@ -312,6 +313,8 @@ class StageRunner:
         last = time.perf_counter()
         manifest_out: dict[str, Any] | None = None
         for step in range(start, total):
+            if _cancels[0] != self._cancels_at_start:
+                raise TrainingCancelled(f"stage {stage.name}: cancelled before step {step + 1}/{total}")
             launch_ready()
             if split:
                 parts, scores = pending.pop(step)

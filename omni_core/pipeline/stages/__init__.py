@@ -18,6 +18,8 @@ A kind is a runner plus what the stage cache and the orchestrator need to know a
 - `retries` / `retry_delay_s` how orchestrators retry a failed try (never for an OmniError);
   `retry_plan(stage)`, when given, decides them per stage (`StageKind.retry(stage)`).
 - `volatile_config` config keys that do not change the result (e.g. worker counts): not in the key.
+- `seeded` whether the pipeline's `seed` is among its inputs (a sweep over `seed` re-runs it); a kind
+  that does not say is taken to read it.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class StageKind:
     retry_delay_s: float = 2.0
     volatile_config: frozenset[str] = frozenset()
     retry_plan: Callable[[Any], tuple[int, list[float]] | None] | None = None
+    seeded: bool = True
 
     def retry(self, stage: Any) -> tuple[int, list[float]]:
         """How many times an orchestrator retries a failed try of `stage`, and the delay before each."""

@@ -39,7 +39,7 @@ def tag_reused(ctx: Any, record: Any) -> None:
         ctx.tracker.set_tags(ctx.mlflow_run_id, image_tags(build, prefix=f"omni.image.{build.target}"))
 
 
-@register_stage("build_images", version="1", retries=2, inputs=image_inputs, digest=image_digests, verify=recorded,
+@register_stage("build_images", version="1", seeded=False, retries=2, inputs=image_inputs, digest=image_digests, verify=recorded,
                 reuse=tag_reused, volatile_config=frozenset({"builder"}))
 def run_build_images(ctx: Any) -> dict[str, Any]:
     stage: BuildImagesStage = ctx.stage

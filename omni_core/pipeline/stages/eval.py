@@ -289,7 +289,7 @@ def run_eval(ctx: Any) -> dict[str, Any]:
     source = source_outcome(ctx, "checkpoint_from", TRAINING_KINDS)
     trained = source.outputs
     key, split, dv = input_dataset(ctx)
-    rows = dv.rows(ctx.store, split)[:stage.max_rows]
+    rows = dv.rows(ctx.store, split)[stage.skip_rows:][:stage.max_rows]
     if not rows:
         raise ConfigError(f"stages.{stage.name}.data: split '{split}' of dataset '{key}' ({dv.version}) has no rows")
     check_rows(rows, MediaLimits.of(ctx.config.datasets.get(key)), f"stages.{stage.name}: {key}@{dv.version}:{split}")

@@ -70,7 +70,7 @@ def log_reused(ctx: Any, record: Any) -> None:
             ctx.store.write_text(latest, version + "\n")
 
 
-@register_stage("ingest", version="1", retries=2, inputs=ingest_inputs, digest=versions, verify=committed,
+@register_stage("ingest", version="1", seeded=False, retries=2, inputs=ingest_inputs, digest=versions, verify=committed,
                 reuse=log_reused, produces=lambda stage: list(stage.datasets), volatile_config=frozenset({"workers"}))
 def run_ingest(ctx: Any) -> dict[str, Any]:
     stage: IngestStage = ctx.stage

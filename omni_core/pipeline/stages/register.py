@@ -138,7 +138,7 @@ def create_version(tracker: Any, name: str, model_id: str | None, checkpoint_uri
     return version
 
 
-@register_stage("register", version="1", inputs=register_inputs, verify=version_still_there, reuse=log_reused)
+@register_stage("register", version="1", seeded=False, inputs=register_inputs, verify=version_still_there, reuse=log_reused)
 def run_register(ctx: Any) -> dict[str, Any]:
     stage: RegisterStage = ctx.stage
     client = ctx.tracker.client
