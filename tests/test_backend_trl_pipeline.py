@@ -168,8 +168,8 @@ def test_the_grpo_example_trains_on_trl_and_is_evaluated_registered_and_traced(g
     assert (lineage["checkpoint"]["uri"], lineage["checkpoint"]["sha256"]) == (grpo.outputs["checkpoint_uri"],
                                                                                grpo.outputs["weights_sha256"])
     assert lineage["checkpoint"]["store_check"]["status"] == "ok"
-    assert [(t["run_id"], t["algorithm"]) for t in lineage["training"]][:2] == [
-        (grpo.mlflow_run_id, "grpo"), (sft.mlflow_run_id, "sft")]
+    assert [(t["run_id"], t["algorithm"], t["backend"]) for t in lineage["training"]][:2] == [
+        (grpo.mlflow_run_id, "grpo", "trl"), (sft.mlflow_run_id, "sft", "trl")]
     assert [d["raw_source_uri"] for d in lineage["datasets"]] == ["fixtures://digits?rows=64&seed=0"]
     verified = CliRunner().invoke(app, ["verify", final["uri"], "--store", trl_env["store"]])
     assert verified.exit_code == 0 and "MISMATCH" not in verified.output, verified.output

@@ -71,6 +71,7 @@ def format_lineage(chain: dict[str, Any], files: bool = False) -> list[str]:
         depth += 1
     for t in chain.get("training", []):
         algo = f" {t['algorithm']}" if t["algorithm"] else ""
+        algo += f" on {t['backend']}" if t.get("backend") else ""
         add(depth, f"training run {t['run_id']} ({t['pipeline'] or '-'}/{t['run_name']}){algo}: {t['role']}")
         add(depth + 1, f"run key {t['run_key'] or '-'}; " + "; ".join(_run_line(t)))
         add(depth + 1, f"mlflow {_run_url(chain, t)}")

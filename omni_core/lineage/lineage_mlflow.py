@@ -224,6 +224,7 @@ def eval_summary(run: Any) -> dict[str, Any]:
 def training_summary(run: Any, role: str) -> dict[str, Any]:
     tags, params = run_tags(run), dict(run.data.params)
     return {**_run_common(run), "role": role, "algorithm": params.get("algorithm", ""), "model": params.get("model", ""),
+            "backend": tags.get("omni.backend", ""),  # "" for our own trainer, which sets no such tag
             "seed": params.get("seed", ""), "params": dict(sorted(params.items())), "run_key": tags.get("omni.run_key", ""),
             "checkpoint_uri": tags.get("omni.checkpoint_uri", ""), "checkpoint_sha256": tags.get("omni.checkpoint_sha256", ""),
             "images": _images(run)}

@@ -24,13 +24,15 @@ REPO_VERL_PYTHON = Path(__file__).resolve().parents[3] / ".venv-verl" / "bin" / 
 IMAGE_PYTHON = "python3"
 PROBE_TIMEOUT_S = 60
 
-# the version, then the newest mtime of verl's Hydra config files (what composition reads), without importing verl
+# the version, then the newest mtime of verl's Hydra config files (what composition reads), without importing
+# verl; bytecode is left out: a verl process's first import writes __pycache__ there, which changes no verdict
 PROBE = """
 import importlib.util, os
 from importlib.metadata import version
 spec = importlib.util.find_spec("verl")
 config = os.path.join(os.path.dirname(spec.origin), "trainer", "config")
-newest = max((os.stat(os.path.join(d, f)).st_mtime_ns for d, _, fs in os.walk(config) for f in fs), default=0)
+newest = max((os.stat(os.path.join(d, f)).st_mtime_ns for d, _, fs in os.walk(config) if "__pycache__" not in d
+              for f in fs if not f.endswith(".pyc")), default=0)
 print(version("verl"), newest)
 """
 
