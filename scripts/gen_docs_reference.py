@@ -393,6 +393,7 @@ def metric_rows(metrics: dict[str, str]) -> list[str]:
 
 
 def metrics_page() -> str:
+    from omni_core.backends.trl.metrics import OWN_METRICS as TRL_OWN_METRICS
     from omni_core.config.algorithms import RUNNER_METRICS, algorithm_records
     from omni_core.evaluation.metrics import EVAL_KINDS, EVAL_METRIC_NOTES
     from omni_core.lineage.datasets import INGEST_METRICS
@@ -417,6 +418,13 @@ def metrics_page() -> str:
         if record.progress:
             lines += ["The progress line `omni run` prints each step shows "
                       + ", ".join(f"`{metric}` (as `{label}`)" for metric, label in record.progress) + ".", ""]
+    lines += ["## Training on TRL (`backend: trl`)", "",
+              "A trl stage logs TRL's own metric names per step, as its trainer logs them (GRPO: `reward`, "
+              "`reward_std`, `rewards/{function}/mean`, `completions/mean_length`, `kl`, `clip_ratio/...`, "
+              "`entropy`; DPO and MPO: `rewards/chosen`, `rewards/rejected`, `rewards/accuracies`, "
+              "`rewards/margins`, `logps/...`; all: `loss`, `learning_rate`, `grad_norm`; see "
+              "[Running a stage on TRL](../trl.md)), and these of its own:", "",
+              *metric_rows(TRL_OWN_METRICS), ""]
     lines += ["## Evaluation, by kind", "",
               "An eval stage scores what its upstream training stage trained: a language model's responses, a "
               "diffusion model's images, or a preference model on held-out pairs.", ""]

@@ -103,12 +103,14 @@ def test_every_tutorial_runs_something() -> None:
 def _logged_metrics(workspace: Path) -> dict[str, set[str]]:
     """MLflow metric names by the stage kind of the run that logged them (training runs by algorithm)."""
     db = sqlite3.connect(workspace / ".omni" / "mlflow.db")
-    rows = db.execute("""select m.key, k.value, a.value from metrics m
+    rows = db.execute("""select m.key, k.value, a.value, b.value from metrics m
                          join tags k on k.run_uuid = m.run_uuid and k.key = 'omni.stage_kind'
-                         left join params a on a.run_uuid = m.run_uuid and a.key = 'algorithm'""").fetchall()
+                         left join params a on a.run_uuid = m.run_uuid and a.key = 'algorithm'
+                         left join tags b on b.run_uuid = m.run_uuid and b.key = 'omni.backend'""").fetchall()
     found: dict[str, set[str]] = {}
-    for key, kind, algorithm in rows:
-        found.setdefault(algorithm if kind in ("rl", "sft") and algorithm else kind, set()).add(key)
+    for key, kind, algorithm, backend in rows:
+        owner = "trl" if backend == "trl" else algorithm if kind in ("rl", "sft") and algorithm else kind
+        found.setdefault(owner, set()).add(key)
     return found
 
 
@@ -121,12 +123,13 @@ def _documented(patterns: list[str]) -> re.Pattern[str]:
 
 
 def test_every_metric_the_runs_logged_is_documented(runs: dict, workspace: tuple[Path, dict[str, str]]) -> None:
+    from omni_core.backends.trl.metrics import OWN_METRICS as TRL_OWN_METRICS
     from omni_core.config.algorithms import RUNNER_METRICS, get_algorithm
     from omni_core.evaluation.metrics import EVAL_KINDS
     from omni_core.lineage.datasets import INGEST_METRICS
 
     logged = _logged_metrics(workspace[0])
-    assert {"grpo", "sft", "mpo", "flow_grpo", "eval", "ingest"} <= set(logged), sorted(logged)
+    assert {"grpo", "sft", "mpo", "flow_grpo", "eval", "ingest", "trl"} <= set(logged), sorted(logged)
     eval_names = [n for _, metrics in EVAL_KINDS.values() for n in metrics]
     eval_names += [f"{n}_baseline" for n in eval_names] + [f"{n}_gain" for n in eval_names]
     undocumented = {}
@@ -135,6 +138,9 @@ def test_every_metric_the_runs_logged_is_documented(runs: dict, workspace: tuple
             allowed = eval_names
         elif owner == "ingest":
             allowed = list(INGEST_METRICS)
+        elif owner == "trl":  # TRL's own names (whatever its trainer logs), and the backend's: documented
+            allowed = [*TRL_OWN_METRICS]
+            names = {n for n in names if n.startswith(("trl/", "timing_s/"))}
         else:
             allowed = [*RUNNER_METRICS, *get_algorithm(owner).metrics]
         pattern = _documented(allowed)

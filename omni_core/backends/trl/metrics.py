@@ -10,3 +10,16 @@ PROGRESS = {"GRPOTrainer": (("reward", "reward"), ("reward_std", "reward_std"), 
                             ("completions/mean_length", "len")),
             "DPOTrainer": (("loss", "loss"), ("rewards/accuracies", "reward_acc"), ("rewards/margins", "margin")),
             "SFTTrainer": (("loss", "loss"), ("mean_token_accuracy", "token_acc"))}
+
+# the backend's own seconds per stage (rank 0's, logged once at the end; `trl/start_s` by the driver),
+# beside TRL's own per-step names (whatever its trainer logs: `reward`, `rewards/{function}/mean`, `loss`, ...)
+OWN_SECONDS = {
+    "start": "from Ray Train's fit() to the workers' train function (controller and worker processes, imports)",
+    "setup": "the worker's set-up: TRL's import, the model, the data mapping and TRL's trainer",
+    "data": "the dataset version mapped to TRL's columns (part of setup)",
+    "restore": "the store's checkpoint copied back for a resumed run",
+    "checkpoint": "TRL's checkpoint-N folders committed to the store",
+    "final_commit": "the final model committed as our checkpoint",
+}
+OWN_METRICS = {STEP_METRIC: "wall seconds of TRL's step (its trainer's on_step_begin to on_step_end, rank 0)",
+               **{f"trl/{name}_s": text for name, text in OWN_SECONDS.items()}}
