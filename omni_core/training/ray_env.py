@@ -24,11 +24,12 @@ itself from the environment.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -143,17 +144,53 @@ def init_ray(cfg: RayConfig) -> None:
 
     if ray.is_initialized():
         return
-    try:
-        if in_ray_job():  # the job's own cluster; its runtime env came with the job
+    if in_ray_job():  # the job's own cluster; its runtime env came with the job
+        with _cannot_connect(cfg.address):
             ray.init(logging_level=logging.WARNING)
-        elif cfg.address == "local":
-            ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, logging_level=logging.WARNING)
-        else:
-            wait_for_gcs(cfg.address)
-            ray.init(address=cfg.address, runtime_env=runtime_env(cfg), logging_level=logging.WARNING)
+    elif cfg.address == "local":
+        with _cannot_connect(cfg.address):
+            init_local_ray(cfg.num_cpus)
+    else:
+        join_cluster(cfg.address, runtime_env(cfg))
+
+
+@contextlib.contextmanager
+def _cannot_connect(address: str) -> Iterator[None]:
+    try:
+        yield
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise OmniError(f"ray.address {cfg.address}: cannot connect ({exc}); start the cluster (with "
+        raise OmniError(f"ray.address {address}: cannot connect ({exc}); start the cluster (with "
                         "RAY_AUTH_TOKEN set if it uses token authentication) or use ray.address=local") from exc
+
+
+def join_cluster(address: str, runtime_env: dict[str, Any] | None = None) -> None:
+    """This process joins the Ray cluster at `address` (None: no runtime env of ours)."""
+    import ray
+
+    with _cannot_connect(address):
+        wait_for_gcs(address)
+        ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
+
+
+RAY_START_TIMED_OUT = "timed out during startup"  # Ray gives a node 30 s to register, hard-coded
+
+
+def init_local_ray(num_cpus: int | None) -> None:
+    """A fresh local Ray of `num_cpus` CPUs in this process; started again once when it missed Ray's own
+    start-up timeout (a busy small machine does, now and then)."""
+    import ray
+
+    for attempt in (1, 2):
+        try:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+            return
+        except Exception as exc:  # Ray raises a bare Exception for it
+            ray.shutdown()
+            if RAY_START_TIMED_OUT not in str(exc):
+                raise
+            if attempt == 2:
+                raise OmniError(f"the local Ray did not start ({exc}); the machine is too busy: try again, or "
+                                "start one with `ray start --head` and give its address as ray.address") from exc
 
 
 # Ray ties its processes to the thread that starts it (prctl PDEATHSIG): started from a task runner's
