@@ -13,7 +13,7 @@ flattens); requests per CPU second (the process's CPU time, best of the repeats)
 on a shared machine they move less with the load. Torch runs on `--threads` CPU threads (default 1, so the figures say what batching buys,
 not how many cores there are). `--quick` uses 16 requests.
 
-Diffusion's `serial` is the serial baseline of the published 2.09x (docs/reference.md section 1): one
+Diffusion's `serial` is the serial baseline of the published 2.09x (docs/reference/published-figures.md): one
 request at a time, B=1 forwards, True-CFG as two forwards per step (conditional, then
 unconditional). `serial_packed_cfg` is one request at a time through the engine itself
 (max_num_seqs 1), both CFG branches in one batch-2 forward; `request_32_over_packed_cfg` is
@@ -47,7 +47,7 @@ def _count(module) -> int:
 
 def split_cfg(model):
     """`model` with True-CFG as two forwards (conditional, then unconditional), as the published serial
-    baseline runs it (docs/reference.md section 1); the same numbers as one packed forward up to float rounding."""
+    baseline runs it (docs/reference/published-figures.md); the same numbers as one packed forward up to float rounding."""
     import dataclasses
 
     from omni_core.models import SD3Model

@@ -14,7 +14,7 @@ def cache_dir(*parts: str) -> Path:
     return path
 
 
-# The embedded default: everything a run writes stays under ./.omni/ (docs/design.md, "embedded default").
+# The embedded default: everything a run writes stays under ./.omni/ (docs/design/deployment.md).
 OMNI_HOME = Path(".omni")
 DEFAULT_STORE = ".omni/store"
 DEFAULT_TRACKING_URI = "sqlite:///.omni/mlflow.db"

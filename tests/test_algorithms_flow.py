@@ -29,7 +29,7 @@ def col(values, like):  # per-sample values as [B, 1, ..., 1] float64
 
 
 def sde_ref(x, v, sigma, sigma_prev, a, noise=None, prev=None):
-    """The docs/reference.md section 3 formula, written out in float64; `prev` replaces mean + scale * noise."""
+    """The docs/reference/formulas.md#flowgrpo formula, written out in float64; `prev` replaces mean + scale * noise."""
     x, v = x.double(), v.double()
     s, sp = col(sigma, x), col(sigma_prev, x)
     dt = sp - s

@@ -1,9 +1,10 @@
 """The repository stands on its own: its citations point into docs/, and its links resolve.
 
 - no file cites the team's brief outside the repository (`../shared`, a bare `REFERENCE.md` /
-  `DESIGN.md`): cite `docs/reference.md section N` or `docs/design.md`;
-- every `docs/reference.md section N` (or `sections N, M`, `section N.M`) names a section that
-  docs/reference.md has (`## N. ...` / `### N.M ...`);
+  `DESIGN.md`): cite a page of docs/reference/, docs/design/ or docs/concepts/ (`docs/reference/formulas.md#flowgrpo`);
+- every such citation (`docs/{reference,design,concepts}/PAGE.md`, with or without `#anchor`) names a page
+  that exists and a heading it has, and nothing cites the retired single pages (`docs/reference.md`,
+  `docs/design.md`, split into those folders);
 - every relative link in README.md and docs/**/*.md points at a file that exists (and, into a
   markdown file, at a heading it has).
 
@@ -17,14 +18,14 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-REFERENCE = ROOT / "docs" / "reference.md"
 SKIP_DIRS = {".git", ".venv", ".omni", "__pycache__", ".ruff_cache", ".pytest_cache", "node_modules"}
 SKIP_FILES = {"tests/test_docs.py"}  # this file spells out the patterns it looks for
 
 # The brief lives outside the repository: `../shared/...`, or the uppercase file names (also
 # without `.md`, as in "per REFERENCE."). POLICY_REFERENCE or PREFERENCE do not match (\b).
 OUTSIDE = re.compile(r"\.\./shared\b|/work/shared\b|\b(?:REFERENCE|DESIGN)\b")
-SECTION_CITE = re.compile(r"docs/reference\.md,?\s+sections?\s+(\d+(?:\.\d+)?(?:\s*(?:,|and)\s*\d+(?:\.\d+)?)*)")
+DOC_CITE = re.compile(r"\bdocs/((?:reference|design|concepts)/[\w.-]+\.md)(?:#([\w-]+))?")
+RETIRED = re.compile(r"\bdocs/(?:reference|design)\.md\b")
 MD_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
@@ -58,12 +59,6 @@ def matching_lines(pattern: re.Pattern[str], files: list[str]) -> list[tuple[str
     return found
 
 
-def reference_sections() -> set[str]:
-    """`1`, `2`, `2.1`, ... from docs/reference.md's `## N. title` and `### N.M title` headings."""
-    text = REFERENCE.read_text(encoding="utf-8")
-    return set(re.findall(r"^## (\d+)\. ", text, re.M)) | set(re.findall(r"^### (\d+\.\d+) ", text, re.M))
-
-
 def github_anchor(heading: str) -> str:
     """The anchor GitHub gives a heading: lowercase, punctuation dropped, spaces as hyphens."""
     text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
@@ -79,22 +74,24 @@ def test_nothing_cites_the_brief_outside_the_repository():
     files = [f for f in repo_files() if f not in SKIP_FILES]
     hits = matching_lines(OUTSIDE, files)
     offenders = [f"{rel}:{n}: {line}" for rel, n, line, _ in hits]
-    assert not offenders, ("cite docs/reference.md section N or docs/design.md instead of the brief outside "
+    assert not offenders, ("cite a page of docs/reference/ or docs/design/ instead of the brief outside "
                            "the repository:\n  " + "\n  ".join(offenders))
 
 
-def test_every_cited_reference_section_exists():
-    sections = reference_sections()
-    assert {"1", "2", "3", "6"} <= sections, f"docs/reference.md lost its numbered sections: {sorted(sections)}"
+def test_every_cited_docs_page_and_heading_exists():
     files = [f for f in repo_files() if f not in SKIP_FILES]
-    cites = matching_lines(SECTION_CITE, files)
-    assert cites, "no `docs/reference.md section N` citation found: the pattern or the files changed"
+    cites = matching_lines(DOC_CITE, files)
+    assert len(cites) > 20, "few `docs/reference/PAGE.md#anchor` citations found: the pattern or the files changed"
     missing = []
     for rel, n, line, match in cites:
-        for number in re.split(r"\s*(?:,|and)\s*", match.group(1)):
-            if number not in sections:
-                missing.append(f"{rel}:{n}: section {number} is not in docs/reference.md: {line}")
-    assert not missing, "\n  ".join(["citations of missing sections:", *missing])
+        page, anchor = ROOT / "docs" / match.group(1), match.group(2)
+        if not page.is_file():
+            missing.append(f"{rel}:{n}: no page docs/{match.group(1)}: {line}")
+        elif anchor and anchor not in anchors(page):
+            missing.append(f"{rel}:{n}: no heading #{anchor} in docs/{match.group(1)}: {line}")
+    missing += [f"{rel}:{n}: cites a retired page (now docs/reference/ and docs/design/): {line}"
+                for rel, n, line, _ in matching_lines(RETIRED, files)]
+    assert not missing, "\n  ".join(["citations of missing pages or headings:", *missing])
 
 
 def test_relative_links_in_readme_and_docs_resolve():
@@ -121,9 +118,13 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert OUTSIDE.search("(" + "DESI" + "GN.md)") and OUTSIDE.search("(" + "REFER" + "ENCE.md 4)")
     assert not OUTSIDE.search("POLICY_" + "REFER" + "ENCE = 1; PREFERENCE_ALGORITHMS; docs/reference.md")
     assert not OUTSIDE.search("shared memory; the shared cache; shared/ folders of a checkout")
-    found = SECTION_CITE.search("(docs/reference.md sections 4, 8)")
-    assert found and re.split(r"\s*(?:,|and)\s*", found.group(1)) == ["4", "8"]
-    assert SECTION_CITE.search("docs/reference.md section 2.8").group(1) == "2.8"
+    found = DOC_CITE.search("(docs/reference/formulas.md#clipped-policy-losses).")
+    assert found and found.groups() == ("reference/formulas.md", "clipped-policy-losses")
+    assert DOC_CITE.search("Layout (docs/design/architecture.md):").groups() == ("design/architecture.md", None)
+    assert not DOC_CITE.search("docs/reference/{config,cli,metrics}.md; docs/sweeps.md")
+    assert RETIRED.search("(docs/reference.md section 3)") and RETIRED.search("docs/design.md, Backends")
+    assert not RETIRED.search("docs/reference/rollout.md; docs/design/conventions.md")
     assert github_anchor("## 6. Metric names".lstrip("# ")) == "6-metric-names"
+    assert github_anchor("LTX-2.3 video prompts") == "ltx-23-video-prompts"
     assert github_anchor("The `pipeline` flow, end to end") == "the-pipeline-flow-end-to-end"
     assert MD_LINK.findall("[a](docs/x.md#y) ![img](p.png) [b](https://e.org)") == ["docs/x.md#y", "https://e.org"]

@@ -1,4 +1,4 @@
-"""The import layers (docs/design.md), read from every module's syntax tree, lazy imports inside
+"""The import layers (docs/design/architecture.md#layers), read from every module's syntax tree, lazy imports inside
 functions included: a violation fails here, not in a deployment that lacks the package."""
 
 from __future__ import annotations

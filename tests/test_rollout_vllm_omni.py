@@ -55,7 +55,7 @@ def test_engine_kwargs_and_verl_omni_overrides_follow_the_engine_config() -> Non
         "++actor_rollout_ref.rollout.engine_kwargs.vllm_omni.max_num_seqs=32",
         "++actor_rollout_ref.rollout.engine_kwargs.vllm_omni.request_batch_max_wait_ms=10",
     ]
-    # docs/reference.md section 4's spelling for the defaults; no window, no window override
+    # docs/reference/rollout.md's spelling for the defaults; no window, no window override
     assert verl_omni_overrides(EngineConfig(max_num_seqs=32)) == [
         "actor_rollout_ref.rollout.step_execution=false",
         "++actor_rollout_ref.rollout.engine_kwargs.vllm_omni.max_num_seqs=32",

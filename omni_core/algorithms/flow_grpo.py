@@ -25,7 +25,7 @@ True-CFG in training: eps = eps_u + w * (eps_c - eps_u).
 
 Upstream notes: the KL divides by std_t^2, not by the step variance (std_t sqrt(-dt))^2, as in
 flow_grpo's train_sd3.py and VeRL-Omni's KLLoss. flow_grpo's recipes set global_std=True, and
-VeRL-Omni's advantage uses the Bessel-corrected torch.std; here the population std, per docs/reference.md section 3.
+VeRL-Omni's advantage uses the Bessel-corrected torch.std; here the population std, per docs/reference/formulas.md#differences-from-upstream.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Training backends: what trains an `sft` / `rl` stage (docs/design.md, "Backends").
+"""Training backends: what trains an `sft` / `rl` stage (docs/concepts/backends.md#how-a-backend-plugs-in).
 
 Every backend implements one protocol, `Backend`, and registers one record in the config's backend
 table (omni_core.config.backends: its name, its options model with the run-key rules of its options,

@@ -195,7 +195,7 @@ class RolloutConfig(Strict):
     max_num_seqs: int = Field(256, ge=1, description="Most sequences the rollout engine (ARengine) generates "
                                                       "together; a larger step batch runs in several batches.")
     step_execution: bool = Field(False, description="Rollout engine scheduling: false = request-level batches, "
-                                                    "true = step-level continuous batching (docs/reference.md section 4).")
+                                                    "true = step-level continuous batching (docs/reference/rollout.md).")
 
 
 class RewardConfig(Strict):
@@ -251,7 +251,7 @@ class CheckpointConfig(Strict):
 
 
 class ExecutionConfig(Strict):
-    """How the stage's Ray actors run (docs/reference.md section 5). `sync`: generate, reward, old log-probs,
+    """How the stage's Ray actors run (docs/reference/training-on-ray.md). `sync`: generate, reward, old log-probs,
     update, push weights, in sequence (one rollout worker and no rollout or reward resources: inside the
     trainer actor, scoring its own batch). `separate_async`: rollout workers generate the next batches while
     the trainer updates; batch k is generated with policy version max(0, k - max_staleness) rounded to a

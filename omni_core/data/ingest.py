@@ -1,6 +1,6 @@
 """Ingest a raw dataset into a versioned, content-addressed set of verl Parquet shards in the store.
 
-Layout (docs/design.md): datasets/{name}/{version}/{split}-{shard:05d}.parquet, quarantine.parquet,
+Layout (docs/concepts/stages.md#storage-layout): datasets/{name}/{version}/{split}-{shard:05d}.parquet, quarantine.parquet,
 _manifest.json (written last: its presence commits the version), and datasets/{name}/LATEST, the
 version committed last. An ingest that fails on its data (too many quarantined rows, an unreadable raw
 file) removes what it wrote; one that fails on the store (a transient error) leaves it uncommitted (no

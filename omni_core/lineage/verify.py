@@ -1,6 +1,6 @@
 """Re-check the digests recorded in the store's manifests against the bytes the store holds now.
 
-What is checked (storage layout in docs/design.md):
+What is checked (storage layout in docs/concepts/stages.md#storage-layout):
 - a dataset version, `datasets/{name}/{version}/_manifest.json`: every shard of every split
   (`splits.{split}.shards[].key` and `.sha256`);
 - a checkpoint, `runs/.../checkpoints/global_step_{N}/_manifest.json`: every file it lists

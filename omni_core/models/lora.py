@@ -2,7 +2,7 @@
 
 A pipeline says `lora: {rank: 32, alpha: 64}`; the adapter supplies the target modules unless the
 spec names them. After `apply_lora` only the LoRA matrices are trainable; `lora_state_dict` is what
-a trainer pushes to rollout workers (docs/reference.md section 5: with LoRA, only adapter weights move).
+a trainer pushes to rollout workers (docs/reference/training-on-ray.md: with LoRA, only adapter weights move).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 preference training (here in `models/` so that rollout does not depend on training).
 
 A verl row's `prompt` holds `<image>`/`<audio>` markers and its `images`/`audios` columns the bytes
-(the verl dataset schema in docs/reference.md). With a multimodal processor (Qwen3-Omni's) the markers become the model's
+(the verl dataset schema in docs/reference/formats.md). With a multimodal processor (Qwen3-Omni's) the markers become the model's
 media tokens and the bytes become processor tensors; with a plain tokenizer the markers are dropped.
 
 The RL step keeps each prompt's media tensors apart (`encode_media_prompts`), so a rollout batch can

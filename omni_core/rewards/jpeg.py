@@ -1,4 +1,4 @@
-"""JPEG compressibility (DDPO; docs/reference.md section 2): `-(JPEG bytes at quality 95)/1000/500`.
+"""JPEG compressibility (DDPO; docs/reference/rewards.md): `-(JPEG bytes at quality 95)/1000/500`.
 
 The image is `solution_str` (or VeRL-Omni's `solution_image`), any form `images.to_pil` accepts,
 encoded as RGB. A smooth image compresses to fewer bytes, so it scores higher (closer to 0).

@@ -1,4 +1,4 @@
-"""Math-Verify in a process pool with a per-call timeout (docs/reference.md section 7).
+"""Math-Verify in a process pool with a per-call timeout (docs/reference/rewards.md#math-verify).
 
 Math-Verify's `parse`/`verify` time out with `signal.alarm`, which only works in a main thread. So
 they never run in this process: each call goes to a worker process of a spawn-context pool (whose

@@ -1,4 +1,4 @@
-"""MMK12 reward (docs/reference.md section 2), as VeRL-Omni's `mmk12_reward.py` (MM-EUREKA style).
+"""MMK12 reward (docs/reference/datasets.md#mmk12), as VeRL-Omni's `mmk12_reward.py` (MM-EUREKA style).
 
 1. The answer is the stripped payload of the first `<answer>...</answer>`, or the whole response.
    Angle marks after a number (`30°`, `30^\\circ`, `30\\circ`) are dropped from response and truth.

@@ -1,4 +1,4 @@
-"""OCR reward for text-to-image (data_source "flow_grpo/ocr"; docs/reference.md section 2).
+"""OCR reward for text-to-image (data_source "flow_grpo/ocr"; docs/reference/datasets.md#ocr-prompts).
 
 The image (`solution_str`, or VeRL-Omni's `solution_image`; any form `images.to_pil` accepts) is
 transcribed by tesseract. Both the transcription and the target (the ground truth) are lowercased

@@ -1,4 +1,4 @@
-"""Rollout engines: batched generation with the log-probs a trainer recomputes (docs/reference.md section 4)."""
+"""Rollout engines: batched generation with the log-probs a trainer recomputes (docs/reference/rollout.md)."""
 
 from omni_core.rollout.autoregressive import ARengine, ARPrompt, ARSampling
 from omni_core.rollout.diffusion import DiffusionEngine, DiffusionSampling

@@ -5,7 +5,7 @@ One implementation of the sampling math, used three ways:
 - `denoise_step`: one denoising step of a batch whose samples may sit at different noise levels
   (per-sample sigmas, the transformer takes a per-sample timestep): one transformer forward, True-CFG
   over [negative; prompt] in that same forward (2B rows), then the FlowGRPO SDE step
-  (`flow_sde_step`, docs/reference.md section 3) or the Euler ODE step when noise_level is 0;
+  (`flow_sde_step`, docs/reference/formulas.md#flowgrpo) or the Euler ODE step when noise_level is 0;
 - `sample_trajectories`: whole trajectories of a batch, one `denoise_step` per denoising step (the
   trainer's `omni_core.training.flow_grpo.rollout` and the engine's request-level batches);
 - `DiffusionEngine`: the `RolloutEngine` over them. Request-level batching packs whole compatible

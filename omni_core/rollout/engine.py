@@ -1,4 +1,4 @@
-"""The rollout engine interface and its two schedulers (vLLM-Omni semantics, docs/reference.md section 4).
+"""The rollout engine interface and its two schedulers (vLLM-Omni semantics, docs/reference/rollout.md).
 
 Callers, from any thread or event loop, `submit` requests and get futures of results. One scheduler
 thread owns the model and decides what runs together:

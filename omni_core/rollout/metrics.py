@@ -1,4 +1,4 @@
-"""Rollout-vs-trainer consistency metrics, as verl logs them (docs/reference.md section 6).
+"""Rollout-vs-trainer consistency metrics, as verl logs them (docs/reference/metrics-computed.md#training-metrics).
 
 The rollout engine records the log-prob of each token (or denoising step) it sampled; the trainer
 recomputes the same log-probs with its own forward (the behaviour-policy `old_logp`). If the two
@@ -9,7 +9,7 @@ sampling-parameter mismatch). verl reports the agreement on probabilities, exp(l
     training/rollout_actor_probs_pearson_corr Pearson correlation of p_actor and p_rollout (masked)
 
 plus `training/rollout_probs_diff_{valid,max,std}`. Healthy runs show a Pearson correlation close to
-1 (docs/reference.md section 1: 0.998 on the MMK12 recipe, > 0.995 is healthy).
+1 (docs/reference/published-figures.md: 0.998 on the MMK12 recipe, > 0.995 is healthy).
 
 Source matched: verl `verl/utils/debug/metrics.py` (verl-project/verl, `calculate_debug_metrics`,
 called by `RayPPOTrainer` when the batch has `rollout_log_probs`):

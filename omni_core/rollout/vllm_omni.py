@@ -1,4 +1,4 @@
-"""The rollout engine interface over vLLM-Omni's `AsyncOmni` (GPU images only; docs/reference.md sections 4, 8).
+"""The rollout engine interface over vLLM-Omni's `AsyncOmni` (GPU images only; docs/reference/rollout.md, docs/reference/gpu-images.md).
 
 `VllmOmniEngine` is a `RolloutEngine`: callers `submit` / `agenerate` / `generate` requests and
 `update_weights` between batches, exactly as with the native torch engines. The batching itself is

@@ -1,7 +1,7 @@
 """The driver of a training stage on Ray: schedules rollout, reward and training, checkpoints, and
 restarts the actors from the latest committed checkpoint when one is lost.
 
-Modes (`execution.mode`, docs/reference.md section 5):
+Modes (`execution.mode`, docs/reference/training-on-ray.md):
 
 - `sync`: for each step k: the rollout workers generate batch k with the current policy (version k),
   the reward workers score it, the trainer computes old log-probs and updates, the new weights are

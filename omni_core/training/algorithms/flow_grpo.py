@@ -50,7 +50,7 @@ register_algorithm(Algorithm(
     defaults={"trainer.lr": 3e-4, "trainer.batch_size": 2, "reward.name": "jpeg_compressibility"},
     progress=(("critic/score/mean", "score"), ("actor/pg_loss", "pg_loss"), ("actor/grad_norm", "grad_norm")),
     metrics={
-        "actor/pg_loss": "the clipped per-denoising-step loss (docs/reference.md section 3.4)",
+        "actor/pg_loss": "the clipped per-denoising-step loss (docs/reference/formulas.md#flowgrpo)",
         "actor/pg_clipfrac": "share of steps where abs(ratio - 1) > clip_range",
         "actor/ppo_kl": "mean of old_logp - logp",
         "actor/kl_loss": "the KL term to the reference, when kl_beta > 0",

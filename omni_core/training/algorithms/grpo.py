@@ -27,7 +27,7 @@ class PolicyGradientOptions(AlgorithmOptions):
     clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip above: the ratio is kept below 1 + clip_ratio_high "
                                                           "(DAPO's clip-higher when larger than clip_ratio_low).")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="How token losses become the batch loss (verl's names; docs/reference.md section 3.2).")
+        "token-mean", description="How token losses become the batch loss (verl's names; docs/reference/formulas.md#clipped-policy-losses).")
     adv_scale: Literal["group", "batch", "none"] = Field(
         "group", description="Divide the group-centred rewards by the group's std, the batch's std, or nothing.")
     kl_beta: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy.")
@@ -54,7 +54,7 @@ GRPO = register_algorithm(Algorithm(
     separate_async=True, stage_keys={"trainer": ALL, "rollout": ALL, "reward": ALL},
     progress=(("critic/score/mean", "score"), ("actor/pg_loss", "pg_loss"), ("response_length/mean", "len")),
     metrics={
-        "actor/pg_loss": "the policy-gradient loss (docs/reference.md section 3.2)",
+        "actor/pg_loss": "the policy-gradient loss (docs/reference/formulas.md#clipped-policy-losses)",
         "actor/pg_clipfrac": "share of tokens where the clipped term is the larger",
         "actor/ppo_kl": "mean of old_logp - logp",
         "actor/kl_loss": "the KL term to the reference, when kl_beta > 0",

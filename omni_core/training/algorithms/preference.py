@@ -25,7 +25,7 @@ class PreferenceOptions(AlgorithmOptions):
     """VeRL-Omni's `actor.omni_loss` names where they exist."""
 
     name: Literal["dpo", "mpo"] = Field("dpo", description="dpo: one pairwise loss; mpo: a weighted sum of loss "
-                                                           "types with an SFT term (docs/reference.md section 3.3).")
+                                                           "types with an SFT term (docs/reference/formulas.md#preference-losses-and-sft).")
     loss_type: str | list[str] | None = Field(
         None, description="dpo: sigmoid | ipo | bco_pair (default sigmoid); mpo: a list (default sigmoid, bco_pair, sft)")
     loss_weights: list[float] | None = Field(None, description="One per loss type; mpo default 0.8, 0.2, 1.0.")
@@ -86,7 +86,7 @@ for _name in ("dpo", "mpo"):
         progress=((f"actor/{_name}_loss", "loss"), ("actor/reward_accuracy", "reward_acc"),
                   ("actor/reward_margin", "margin")),
         metrics={
-            f"actor/{_name}_loss": "the step's preference loss (docs/reference.md section 3.3)",
+            f"actor/{_name}_loss": "the step's preference loss (docs/reference/formulas.md#preference-losses-and-sft)",
             "actor/{loss_type}_loss": "each loss type's own term (sigmoid, ipo, bco_pair, sft), when there are several",
             "actor/chosen_rewards": "mean implicit reward beta * (log pi - log ref) of the chosen responses",
             "actor/rejected_rewards": "the same, of the rejected responses",
