@@ -29,7 +29,7 @@ from ports import free_port
 # Every `omni run` / `omni ingest` a test starts (subprocesses inherit this) uses Prefect's temporary
 # server, not omni's local server (flows/local_prefect.py), which would outlive the test (by its quiet period);
 # tests/test_local_prefect.py tests that server and stops it, as does the embedded sweep
-# (tests/test_concurrency.py), whose four runs share one.
+# (tests/test_concurrency.py), whose three runs share one.
 os.environ.setdefault("OMNI_PREFECT_SERVER", "temporary")
 
 # Every Ray the tests start (the shared one, each `omni run`'s local Ray, `ray start` nodes: they inherit

@@ -5,8 +5,8 @@ store; no mocks): a fresh sqlite database opened by several processes at once; t
 get-or-creates, a duplicate registration, aliases written stale by the slower of two register
 stages or created by two at once, a version tag two identical runs insert at once
 (`omni_core.lineage.model_registry`); ingests of one dataset version at once, and LATEST
-pointers written stale. Then the real sweep on the embedded default (slow): four `omni run` started
-together on one store and one sqlite URI, three pipelines that differ in seed and lr registering into
+pointers written stale. Then the real sweep on the embedded default (slow): three `omni run` started
+together on one store and one sqlite URI, two pipelines that differ in seed and lr registering into
 one model, and an exact duplicate of the first; all finish, one registered version per distinct
 checkpoint, `candidate` on the newest, `champion` on the best score, lineage and `omni verify` pass.
 The same sweep on the scaled-out stack is in tests/test_scaled_stack.py (its servers).
@@ -273,12 +273,12 @@ def omni(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) 
 
 
 @pytest.mark.slow
-def test_a_sweep_of_four_runs_at_once_on_the_embedded_default(tmp_path: Path, model_cache: Path,
+def test_a_sweep_of_three_runs_at_once_on_the_embedded_default(tmp_path: Path, model_cache: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """As a user would: four `omni run` started together in one folder, on its ./.omni store, sqlite
+    """As a user would: three `omni run` started together in one folder, on its ./.omni store, sqlite
     MLflow database and Prefect home, all fresh (created by whichever run comes first), and omni's
-    local Prefect server (the default: one started for the four, stopped at the end). The runs share
-    one Ray started with `ray start --head` (`ray.address`), as docs/concepts/concurrency.md advises for a sweep: four
+    local Prefect server (the default: one started for the three, stopped at the end). The runs share
+    one Ray started with `ray start --head` (`ray.address`), as docs/concepts/concurrency.md advises for a sweep: several
     local Rays starting at once on a busy 2-core machine miss Ray's own start-up timeout."""
     monkeypatch.setenv("OMNI_CACHE_DIR", str(model_cache))  # the Ray nodes' environment: actors find the models
     cluster = start_cluster(head_cpus=8)
@@ -313,7 +313,7 @@ def test_a_sweep_of_four_runs_at_once_on_the_embedded_default(tmp_path: Path, mo
     assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
     client = Tracker(f"sqlite:///{tmp_path / '.omni/mlflow.db'}").client
     check_sweep(client, "sweep-digits", "sweep", len(paths))
-    # one local Prefect server served the four runs: their flow runs' links share its address
+    # one local Prefect server served the three runs: their flow runs' links share its address
     runs = client.search_runs([client.get_experiment_by_name("sweep").experiment_id], max_results=200)
     links = [r.data.tags.get("prefect.flow_run_url", "") for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(links) == len(paths) and len({urlsplit(u).netloc for u in links}) == 1, links

@@ -4,7 +4,7 @@ Prefect's, MLflow's and MLflow's user store's databases; `prefect server` on it 
 a Prefect process worker; `mlflow server --app-name basic-auth` on it with artifacts on S3; moto as
 S3 with IAM auth (only the IAM key it issued is let in); a two-node Ray cluster with token auth
 whose nodes lack the driver's S3 variables. Then:
-`omni deploy`, a sweep of four runs of `pipeline/local` created at once through the Prefect API (as
+`omni deploy`, a sweep of three runs of `pipeline/local` created at once through the Prefect API (as
 the UI's Run button does) pointing the digits pipeline (ingest -> rl -> eval -> register) at the S3
 store, the MLflow server and the cluster (tests/test_concurrency.py's sweep); they complete, the rl
 stage's actors ran on the cluster's worker node, the registry holds one version per distinct
@@ -99,7 +99,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Any:
             # Prefect's least heartbeat: `omni deploy`'s crash automation then waits 60 s, not 360
             "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
             # the worker asks for scheduled runs every second (Prefect's default: 10 s), so a run created
-            # through the API starts at once (four runs in this module)
+            # through the API starts at once (three runs in this module)
             "PREFECT_WORKER_QUERY_SECONDS": "1"}
         for var in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "RAY_ADDRESS", "MLFLOW_TRACKING_URI"):
             env.pop(var, None)
@@ -228,7 +228,7 @@ def crash(stack: dict) -> dict:
 @pytest.fixture(scope="module")
 def sweep(stack: dict, crash: dict) -> dict:
     """tests/test_concurrency.py's sweep on the stack, the module's one run of the pipeline deployment:
-    four runs created at once through the API (three pipelines differing in seed and lr, one an exact
+    three runs created at once through the API (two pipelines differing in seed and lr, one an exact
     duplicate of the first), one S3 store, the Postgres-backed MLflow server, the cluster. After `crash`
     (its re-run shares the cluster with them)."""
     store = f"s3://{stack['bucket']}/sweep"
@@ -281,8 +281,8 @@ def test_a_deployment_run_on_the_stack_completes_on_the_cluster(stack: dict, swe
     assert lineage.returncode == 0, lineage.stdout + lineage.stderr
 
 
-def test_a_sweep_of_four_runs_at_once_on_the_stack(stack: dict, sweep: dict) -> None:
-    """All four complete, the registry holds one version per distinct checkpoint with `candidate` and
+def test_a_sweep_of_three_runs_at_once_on_the_stack(stack: dict, sweep: dict) -> None:
+    """All three complete, the registry holds one version per distinct checkpoint with `candidate` and
     `champion` settled, lineage and `omni verify` pass. (Before the Postgres restart's re-run adds a run.)"""
     store, paths, finals = sweep["store"], sweep["paths"], sweep["finals"]
     assert all(run.state.is_completed() for run in finals), \

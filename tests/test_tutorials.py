@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -78,10 +79,23 @@ def runs(workspace: tuple[Path, dict[str, str]]) -> dict[str, subprocess.Complet
     out = {}
     for page in tutorial_pages():
         started = time.monotonic()
-        out[page.name] = subprocess.run(["bash", "-c", script(page)], cwd=folder, env=env, capture_output=True,
-                                        text=True, timeout=900)
+        out[page.name] = run_page(page, folder, env)
         print(f"docs/tutorials/{page.name}: {time.monotonic() - started:.1f} s", flush=True)  # shown with -s
     return out
+
+
+def run_page(page: Path, folder: Path, env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    """The page's script in a session of its own: on a timeout the whole session is killed (the `omni`
+    commands the page started, their variants and Ray), not only bash, so nothing runs on after it."""
+    proc = subprocess.Popen(["bash", "-c", script(page)], cwd=folder, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        stderr += f"\n(killed after {timeout:.0f} s)"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 @pytest.mark.parametrize("page", [p.name for p in tutorial_pages()])
