@@ -10,7 +10,11 @@ rocm, and falls back to cuda), so this module:
   "device", `torch.cpu` as the device module, with no-op stand-ins for the `torch.cuda` calls verl
   makes that `torch.cpu` lacks (memory statistics, caches, seeds);
 - replaces verl's process-group set-up, which builds the backend string `cpu:gloo,cpu:gloo` (torch
-  rejects a device listed twice), with a plain gloo group.
+  rejects a device listed twice), with a plain gloo group;
+- makes verl's `aggressive_empty_cache` a no-op: it releases an accelerator's cached memory after a full
+  `gc.collect()` (sft_trainer calls it at every epoch and every save, the actor worker once at start-up),
+  and a CPU has no such cache, while the collection of a process that imported torch, transformers and
+  verl costs a good share of a tiny model's training step (the weights are the same byte for byte).
 
 The job also needs (rendered with device cpu): `VERL_ENGINE_DEVICE=cuda` (verl registers its FSDP engine
 for cuda and npu only; the engine itself then runs on the platform's device), strategy fsdp2 (fsdp1
@@ -28,6 +32,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed
 import verl.utils.distributed as verl_distributed
+import verl.utils.memory_utils as verl_memory_utils
 from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry, set_platform
 
@@ -145,6 +150,12 @@ def initialize_global_process_group_ray(timeout_second=None, backend=None):
             init_method=os.environ.get("DIST_INIT_METHOD", None))
 
 
+def aggressive_empty_cache(force_sync: bool = True, max_retries: int = 3) -> None:
+    """verl's release of the accelerator's cached memory (verl.utils.memory_utils): nothing to release on CPU
+    (module docstring). Bound before verl's trainer and workers import it by name."""
+
+
 set_platform(PlatformCPU())
+verl_memory_utils.aggressive_empty_cache = aggressive_empty_cache
 verl_distributed.initialize_global_process_group = initialize_global_process_group
 verl_distributed.initialize_global_process_group_ray = initialize_global_process_group_ray
