@@ -42,7 +42,7 @@ from omni_core.training.checkpoint import MANIFEST, checkpoint_steps, stage_pref
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 ROOT = Path(__file__).resolve().parents[1]
-SFT_STEPS, GRPO_STEPS, SAVE_FREQ = 6, 8, 2
+SFT_STEPS, GRPO_STEPS, SAVE_FREQ = 6, 6, 2  # grpo: checkpoints 2 and 4 (the faults' kills), then the final 6
 KILL_WORKER_AT, KILL_DRIVER_AT = 2, 4
 TRL_METRICS = ("reward", "reward_std", "rewards/score/mean", "completions/mean_length", "entropy", "loss",
                "learning_rate", "clip_ratio/low_mean", "timing_s/step")
@@ -81,8 +81,9 @@ def trl_env(moto_server, mlflow_server, model_cache, tmp_path_factory):
 
 
 def grpo_example(env: dict, tracking_uri: str, name: str = "trl-grpo") -> dict:
-    """configs/trl_grpo.yaml, smaller: 64 digits rows, 8 sft steps, 10 grpo steps of 4 prompts x 4
-    completions (checkpoints every 2), the reward that depends on every character (so GRPO always moves)."""
+    """configs/trl_grpo.yaml, smaller: 64 digits rows, SFT_STEPS sft steps, GRPO_STEPS grpo steps of 4 prompts
+    x 4 completions (checkpoints every SAVE_FREQ), the reward that depends on every character (so GRPO always
+    moves)."""
     config = yaml.safe_load((ROOT / "configs" / "trl_grpo.yaml").read_text())
     config.update({"name": name, "store": env["store"], "tracking_uri": tracking_uri})
     config["datasets"]["digits"]["source"] = "fixtures://digits?rows=64&seed=0"

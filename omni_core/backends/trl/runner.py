@@ -18,6 +18,8 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any
 
@@ -178,16 +180,18 @@ def _restarts(ctx: Any) -> int:
     return max(0, int(tags.get("omni.trl.worker_group_starts", "1")) - 1)
 
 
-def _progress(run: TrainingRun, trainer: str) -> Any:
-    """Progress lines and the stage's step count from `timing_s/step` in the stage's MLflow run."""
-    from contextlib import nullcontext
-
+@contextmanager
+def _progress(run: TrainingRun, trainer: str) -> Iterator[None]:
+    """Progress lines and the stage's step count from `timing_s/step` in the stage's MLflow run: polled each
+    second, as a native stage's (each poll is a request to the tracking server), and once more when the fit
+    ended, so that the last step's line is always there."""
     from omni_core.backends.trl.metrics import PROGRESS, STEP_METRIC
     from omni_core.pipeline.watch import StepWatcher
 
     ctx, stage = run.ctx, run.stage
     if not ctx.mlflow_run_id:
-        return nullcontext()
+        yield
+        return
     total = stage.trainer.total_steps
 
     def on_step(step: int) -> None:
@@ -197,4 +201,7 @@ def _progress(run: TrainingRun, trainer: str) -> Any:
                                 f"{metrics.get(STEP_METRIC, 0.0):.2f}s"]))
         ctx.on_step(min(step, total), total)
 
-    return StepWatcher(ctx.tracker.tracking_uri, ctx.mlflow_run_id, STEP_METRIC, on_step, interval_s=0.5)
+    watcher = StepWatcher(ctx.tracker.tracking_uri, ctx.mlflow_run_id, STEP_METRIC, on_step)
+    with watcher:
+        yield
+    watcher.poll()  # the steps logged since its last poll (its thread has ended)

@@ -189,6 +189,7 @@ class Worker:
             return
         from importlib.metadata import version
 
+        from mlflow.entities import RunTag
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(self.job.tracking_uri)
@@ -198,8 +199,8 @@ class Worker:
                      "omni.trl.worker_group_starts": str(starts), "omni.trl.worker_started_at": f"{self.started:.3f}"})
         if resumed is not None:
             tags.update({"omni.resumed_from": resumed["uri"], "omni.resumed_from_step": str(resumed["global_step"])})
-        for key, value in tags.items():
-            client.set_tag(self.job.run_id, key, value)
+        # one request (the other ranks wait for rank 0 at the trainer's first collective meanwhile)
+        client.log_batch(self.job.run_id, tags=[RunTag(key, value) for key, value in tags.items()])
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.rank != 0 or not self.job.tracking_uri or not self.job.run_id or not metrics:
