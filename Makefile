@@ -58,8 +58,13 @@ demo: $(STAMP)
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/omni run configs/demo.yaml
 
 # The modules run on TEST_WORKERS pytest-xdist workers, each module whole on one worker, the longest
-# first (pyproject's addopts, tests/module_order.py); 2 = the CI machine's cores.
-TEST_WORKERS ?= 2
+# first (pyproject's addopts, tests/module_order.py). 3 on the CI machine's 2 cores: a module spends much
+# of its time in one process at a time (a Ray actor, a verl job's actors, a Prefect or MLflow server
+# starting up, importing torch): the verl and TRL modules side by side on two workers kept 1.57 of the
+# 2 cores busy. With three, a fresh-clone `make test` on a quiet 2-core machine took 1552 s (the CPUs 1%
+# idle, peak memory 12.3 GiB); with two it had taken 1965 s on a commit of a day before (the same
+# modules, a few steps more).
+TEST_WORKERS ?= 3
 
 # env -u PYTHONDONTWRITEBYTECODE: the environments are installed --no-compile, counting on each module
 # being compiled once, on first use; with that variable set (it was, on the shared dev machine) nothing

@@ -9,7 +9,7 @@ ties keep the file order, and a module's tests keep theirs. So the short unit-te
 the end, whichever worker finishes first.
 
 Refresh the file after adding or changing heavy tests (the numbers only need to be right relative to
-each other): `python -m pytest -n 2 --record-module-durations`.
+each other): `python -m pytest -n 3 --record-module-durations`.
 """
 
 from __future__ import annotations
