@@ -112,9 +112,12 @@ def run_backend(label: str, work: Path, sft_checkpoint: str, steps: int) -> dict
         steps_s = history(stage, "timing_s/step")
         out[stage] = {"step_s": statistics.median(steps_s[1:] or steps_s), "wall_s": walls[stage],
                       "steps_s": sum(steps_s)}
-        if label == "native" and stage == "grpo":  # the step's work in the trainer actor, as TRL's step is timed
-            parts = [history(stage, f"timing_s/{part}") for part in NATIVE_STEP_PARTS]
-            work = [sum(values) for values in zip(*(p for p in parts if p), strict=True)]
+        if label == "native":  # the step's work in the trainer actor, as TRL's step is timed
+            if stage == "grpo":
+                parts = [history(stage, f"timing_s/{part}") for part in NATIVE_STEP_PARTS]
+                work = [sum(values) for values in zip(*(p for p in parts if p), strict=True)]
+            else:  # dpo runs its whole step in the actor
+                work = history(stage, "timing_s/actor_step")
             out[stage]["work_s"] = statistics.median(work[1:] or work)
         if label != "native":
             fixed = {name: (history(stage, f"trl/{name}_s") or [0.0])[-1] for name in (*FIXED, "data")}

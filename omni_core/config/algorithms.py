@@ -130,6 +130,8 @@ class Algorithm:
 # What the stage runner logs per step for every algorithm (omni_core/training/runner.py)
 RUNNER_METRICS = {
     "timing_s/step": "wall seconds of the step",
+    "timing_s/actor_step": "seconds of a step's work in the trainer actor, on steps it runs whole there (DPO, MPO, "
+                           "FlowGRPO, colocated GRPO); the rest of `timing_s/step` is the driver's",
     "timing_s/save_checkpoint": "seconds to commit a checkpoint, on the steps that save one",
     "training/recoveries": "restarts after a lost actor or a failed checkpoint write so far (logged when one happens)",
 }

@@ -220,7 +220,9 @@ class TrainerWorker(_StageActor):
     def step_colocated(self, step: int) -> dict[str, float]:
         if self.trainer.global_step != step:
             raise RuntimeError(f"trainer is at step {self.trainer.global_step}, asked for step {step}")
-        return self.trainer.step()
+        started = time.perf_counter()
+        metrics = self.trainer.step()
+        return {**metrics, "timing_s/actor_step": time.perf_counter() - started}
 
     def save(self, store_root: str, stage_root: str, metadata: dict[str, Any], info: dict[str, Any],
              rngs: dict[str, Any], keep: int | None, versions: list[int], *version_weights: dict[str, Any],
