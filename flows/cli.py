@@ -93,11 +93,18 @@ def validate(
 
 
 def _backend_prechecks(config: PipelineConfig, pipeline_file: Path) -> None:
-    """Each used backend's own checks (omni_core.backends.precheck_pipeline: verl's Hydra composition,
-    TRL's config fields): notes on stderr; exit 2 on a refusal, naming its key."""
+    """The converter and reward names (omni_core.pipeline.names), then each used backend's own checks
+    (omni_core.backends.precheck_pipeline: verl's Hydra composition, TRL's config fields): notes on
+    stderr; exit 2 on a refusal, naming its key."""
     from omni_core.backends import precheck_pipeline
+    from omni_core.pipeline.names import unknown_names
 
-    refused = []
+    refused = unknown_names(config)
+    if refused:  # the backends' checks (verl's starts its interpreter) would only add to these
+        err_console.print(f"[red]{pipeline_file}: {len(refused)} error(s)[/red]")
+        for line in refused:
+            err_console.print(f"  {escape(line)}")
+        raise typer.Exit(2)
     for result in precheck_pipeline(config):
         if result.refused:
             refused.append(result.error())

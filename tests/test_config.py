@@ -119,6 +119,27 @@ def test_cli_validate_lists_every_error(tmp_path: Path) -> None:
     assert yaml.safe_load(ok.stdout)["stages"][2]["trainer"]["total_steps"] == 7
 
 
+def test_a_misspelt_converter_or_reward_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    """The names only a registry knows (omni_core.pipeline.names): validate, plan and run refuse each
+    unknown one by its key, with the known names, before anything is created; a custom reward is
+    refused only when its file is missing."""
+    bad = ("datasets.gsm8k.converter=gsm8kk", "stages.rl.reward.name=digit", "stages.eval.reward.name=missing.py:score")
+    wide = {"COLUMNS": "400"}  # one error a line
+    for command in ("validate", "plan", "run"):
+        result = omni(command, str(DEMO), *bad, cwd=tmp_path, env=wide)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "3 error(s)" in result.stderr, result.stderr
+        assert "datasets.gsm8k.converter: unknown converter 'gsm8kk'; known: avqa, digits, gsm8k" in result.stderr
+        assert "stages.rl.reward.name: unknown reward 'digit'; known names: choice, default, digits" in result.stderr
+        assert "stages.eval.reward.name: custom reward 'missing.py:score': file missing.py does not exist" in result.stderr
+    assert not (tmp_path / ".omni").exists()  # no store, no MLflow database, no Prefect server
+    (tmp_path / "mine.py").write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                      "    return 0.0\n")
+    ok = omni("validate", str(DEMO), "stages.rl.reward.name=mine.py:score", "stages.eval.reward.name=openai/gsm8k",
+              cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+
+
 def test_cli_debug_shows_traceback(tmp_path: Path) -> None:
     result = omni("--debug", "run", "missing.yaml", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" in result.stderr

@@ -120,6 +120,12 @@ def test_bad_sweeps_fail_before_anything_runs(tmp_path: Path, sweep: dict[str, A
     assert message in str(raised.value)
 
 
+def test_a_misspelt_reward_in_the_pipeline_is_refused_by_the_plan(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as raised:
+        plan_of(tmp_path, sweep_of(), overrides=["stages.rl.reward.name=digit"])
+    assert "stages.rl.reward.name: unknown reward 'digit'" in str(raised.value)
+
+
 def test_a_swept_dataset_source_warns_that_nothing_downstream_is_shared(tmp_path: Path) -> None:
     plan = plan_of(tmp_path, sweep_of(parameters={"datasets.digits.source": {
         "values": ["fixtures://digits?rows=1000", "fixtures://digits?rows=500"]}}))

@@ -248,6 +248,10 @@ def get_converter(name: str) -> Converter:
     return _CONVERTERS.get(name)()
 
 
+def converter_names() -> list[str]:
+    return _CONVERTERS.names()
+
+
 def holds_preference_pairs(converter: str) -> bool:
     """Whether the converter named `converter` writes preference pairs (its `preference_pairs`);
     False for a name no converter is registered under."""

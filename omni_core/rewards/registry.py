@@ -87,6 +87,18 @@ def custom_reward_file(spec: str | None) -> Path | None:
     return Path(path).expanduser() if sep and path.endswith(".py") and Path(path).expanduser().is_file() else None
 
 
+def reward_problem(spec: str) -> str | None:
+    """Why `spec` names no reward (None: it does), without running anything: a custom reward's file is
+    only looked for (its import, its function and signature are checked where it runs)."""
+    if spec in _BY_NAME or spec in _BY_DATA_SOURCE:
+        return None
+    path, sep, _ = spec.rpartition(":")
+    if sep and path.endswith(".py"):
+        file = Path(path).expanduser()
+        return None if file.is_file() else f"custom reward {spec!r}: file {file} does not exist; fix the path"
+    return f"unknown reward {spec!r}; {_known()}; or give a custom reward as 'path/to/file.py:function'"
+
+
 def get_reward(spec: str) -> RewardFn:
     """The reward function for a registered name, a data_source, or `path/to/file.py:function`."""
     if spec in _BY_NAME:

@@ -28,6 +28,7 @@ from omni_core.config.algorithms import LANGUAGE_MODEL, pair_converters
 from omni_core.config.loader import ConfigValidationError, set_path
 from omni_core.config.models import TRAINING_KINDS, EvalStage, RLStage, upstream_stage
 from omni_core.errors import ConfigError
+from omni_core.pipeline.names import unknown_names
 from omni_core.sweep.space import Space
 from omni_core.sweep.spec import NUMERIC_DISTRIBUTIONS, SweepSpec
 
@@ -289,6 +290,8 @@ def plan_sweep(spec: SweepSpec, pipeline_file: str, overrides: list[str] | None 
     overrides = list(overrides or [])
     data = apply_overrides(read_yaml(pipeline_file), overrides)
     config = validate_pipeline(copy.deepcopy(data), pipeline_file)
+    if unknown := unknown_names(config):
+        raise ConfigError(f"{pipeline_file}: " + "; ".join(unknown))
     warnings = check_keys(spec, config)
     evals = eval_stages(config)
     select = spec.select_on or spec.metric.stage or (evals[-1] if evals else None)
