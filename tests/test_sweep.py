@@ -113,6 +113,9 @@ def test_the_plan_shares_what_no_swept_key_reaches(tmp_path: Path) -> None:
     (sweep_of(parameters={"store": {"values": ["a", "b"]}}), "parameters.store: 'store' says where a run lives"),
     (sweep_of(parameters={"stages.rl.trainer.lr": {"values": [-1.0]}}),
      "parameters: the variant stages.rl.trainer.lr=-1.0 is not a valid pipeline: stages.rl.trainer.lr:"),
+    (sweep_of(parameters={"stages.rl.reward.name": {"values": ["digits", "digitz"]}}),
+     "parameters: the variant stages.rl.reward.name='digitz' is not a valid pipeline: stages.rl.reward.name: "
+     "unknown reward 'digitz'"),
 ])
 def test_bad_sweeps_fail_before_anything_runs(tmp_path: Path, sweep: dict[str, Any], message: str) -> None:
     with pytest.raises((ConfigError, SweepFileError)) as raised:
