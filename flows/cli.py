@@ -88,31 +88,32 @@ def validate(
         for line in exc.errors:
             err_console.print(f"  {line}")
         raise typer.Exit(2) from None
-    _backend_prechecks(config, pipeline_file)
+    _prechecks(config, pipeline_file)
     console.print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
 
 
-def _backend_prechecks(config: PipelineConfig, pipeline_file: Path) -> None:
+def _prechecks(config: PipelineConfig, pipeline_file: Path) -> None:
     """The converter and reward names (omni_core.pipeline.names), then each used backend's own checks
     (omni_core.backends.precheck_pipeline: verl's Hydra composition, TRL's config fields): notes on
     stderr; exit 2 on a refusal, naming its key."""
     from omni_core.backends import precheck_pipeline
     from omni_core.pipeline.names import unknown_names
 
-    refused = unknown_names(config)
-    if refused:  # the backends' checks (verl's starts its interpreter) would only add to these
-        err_console.print(f"[red]{pipeline_file}: {len(refused)} error(s)[/red]")
-        for line in refused:
-            err_console.print(f"  {escape(line)}")
-        raise typer.Exit(2)
+    _refuse(pipeline_file, unknown_names(config))  # first: verl's check starts its interpreter
+    refused = []
     for result in precheck_pipeline(config):
         if result.refused:
             refused.append(result.error())
         else:
             err_console.print(escape(result.note()))
-    if refused:
-        err_console.print(f"[red]{pipeline_file}: {len(refused)} error(s)[/red]")
-        for line in refused:
+    _refuse(pipeline_file, refused)
+
+
+def _refuse(pipeline_file: Path, errors: list[str]) -> None:
+    """Exit 2 with `errors`, one a line, if there are any."""
+    if errors:
+        err_console.print(f"[red]{pipeline_file}: {len(errors)} error(s)[/red]")
+        for line in errors:
             err_console.print(f"  {escape(line)}")
         raise typer.Exit(2)
 
@@ -132,7 +133,7 @@ def run(
 
     config = load_pipeline(pipeline_file, overrides or [])
     check_force(config, force)
-    _backend_prechecks(config, pipeline_file)
+    _prechecks(config, pipeline_file)
     if dry_run:
         _print_plan(config, as_json=False)
         return
@@ -162,7 +163,7 @@ def plan(
     """Print what every stage would do, in run order, and run nothing; for a verl stage its Ray Job's
     entry point, runtime environment (credentials redacted) and the files it stages."""
     config = load_pipeline(pipeline_file, overrides or [])
-    _backend_prechecks(config, pipeline_file)
+    _prechecks(config, pipeline_file)
     _print_plan(config, as_json)
 
 

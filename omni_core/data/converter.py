@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 
 from omni_core.config.algorithms import register_pair_converter
 from omni_core.data.sources import RawSource
-from omni_core.errors import DataError
+from omni_core.errors import ConfigError, DataError
 from omni_core.media_limits import MediaLimits
 from omni_core.registry import Registry
 
@@ -248,8 +248,13 @@ def get_converter(name: str) -> Converter:
     return _CONVERTERS.get(name)()
 
 
-def converter_names() -> list[str]:
-    return _CONVERTERS.names()
+def converter_problem(name: str) -> str | None:
+    """Why no converter is registered as `name` (the registry's error, naming the known ones); None: one is."""
+    try:
+        _CONVERTERS.get(name)
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def holds_preference_pairs(converter: str) -> bool:

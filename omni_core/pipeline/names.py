@@ -12,15 +12,11 @@ def unknown_names(config: PipelineConfig) -> list[str]:
     """One error per converter or reward no registry (plugins included) or file provides, by key."""
     import omni_core.data  # noqa: F401 - registers the built-in converters
     import omni_core.rewards  # noqa: F401 - registers the built-in rewards
-    from omni_core.data.converter import converter_names
+    from omni_core.data.converter import converter_problem
     from omni_core.rewards.registry import reward_problem
 
-    errors = []
-    converters = converter_names()
-    for key, dataset in config.datasets.items():
-        if dataset.converter not in converters:
-            errors.append(f"datasets.{key}.converter: unknown converter {dataset.converter!r}; known: "
-                          f"{', '.join(converters)} (or one a plugin registers: docs/concepts/plugins.md)")
+    errors = [f"datasets.{key}.converter: {problem}" for key, dataset in config.datasets.items()
+              if (problem := converter_problem(dataset.converter))]
     for stage in config.stages:
         reward = getattr(stage, "reward", None)
         if reward is not None and (problem := reward_problem(reward.name)):

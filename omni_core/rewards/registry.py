@@ -80,11 +80,17 @@ def reward_for_data_source(data_source: str) -> RewardFn:
         raise ConfigError(f"no reward registered for data_source {data_source!r}; {_known()}") from None
 
 
+def _custom(spec: str) -> tuple[Path, str] | None:
+    """(file, function) of a custom `path/to/file.py:function` reward spec, else None."""
+    path, sep, func = spec.rpartition(":")
+    return (Path(path).expanduser(), func) if sep and path.endswith(".py") else None
+
+
 def custom_reward_file(spec: str | None) -> Path | None:
     """The file of a custom `path/to/file.py:function` reward when it exists (its bytes key the stages
     that use it), else None."""
-    path, sep, _ = (spec or "").rpartition(":")
-    return Path(path).expanduser() if sep and path.endswith(".py") and Path(path).expanduser().is_file() else None
+    custom = _custom(spec or "")
+    return custom[0] if custom and custom[0].is_file() else None
 
 
 def reward_problem(spec: str) -> str | None:
@@ -92,11 +98,10 @@ def reward_problem(spec: str) -> str | None:
     only looked for (its import, its function and signature are checked where it runs)."""
     if spec in _BY_NAME or spec in _BY_DATA_SOURCE:
         return None
-    path, sep, _ = spec.rpartition(":")
-    if sep and path.endswith(".py"):
-        file = Path(path).expanduser()
-        return None if file.is_file() else f"custom reward {spec!r}: file {file} does not exist; fix the path"
-    return f"unknown reward {spec!r}; {_known()}; or give a custom reward as 'path/to/file.py:function'"
+    custom = _custom(spec)
+    if custom is None:
+        return f"unknown reward {spec!r}; {_known()}; or give a custom reward as 'path/to/file.py:function'"
+    return None if custom[0].is_file() else f"custom reward {spec!r}: file {custom[0]} does not exist; fix the path"
 
 
 def get_reward(spec: str) -> RewardFn:
@@ -105,15 +110,13 @@ def get_reward(spec: str) -> RewardFn:
         return _BY_NAME[spec]
     if spec in _BY_DATA_SOURCE:
         return _BY_DATA_SOURCE[spec]
-    path, sep, func = spec.rpartition(":")
-    if sep and path.endswith(".py"):
-        return _load_custom(Path(path).expanduser(), func, spec)
-    raise ConfigError(f"unknown reward {spec!r}; {_known()}; or give a custom reward as 'path/to/file.py:function'")
+    custom = _custom(spec)
+    if custom is None or not custom[0].is_file():
+        raise ConfigError(reward_problem(spec))
+    return _load_custom(*custom, spec)
 
 
 def _load_custom(path: Path, func: str, spec: str) -> RewardFn:
-    if not path.is_file():
-        raise ConfigError(f"custom reward {spec!r}: file {path} does not exist; fix the path")
     module_name = "omni_custom_reward_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
