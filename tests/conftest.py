@@ -42,6 +42,10 @@ os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 # still all forwarded). Measured on an idle `ray start --head`: 0.73 % of a core -> 0.37 %; the suite
 # starts ~20 Rays.
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+# ... and it collects no metrics for Prometheus and reports no usage statistics, which nothing here reads
+# (measured on a local Ray with one actor: 3.15 -> 2.82 CPU s to start, 1.78 -> 1.59 CPU s a minute idle).
+os.environ.setdefault("RAY_enable_metrics_collection", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 # ---- order: the longest modules first (tests/module_order.py) ------------------------------------
 

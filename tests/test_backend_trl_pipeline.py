@@ -207,6 +207,15 @@ def _ray_train_workers(pid: int) -> list[psutil.Process]:
     return found
 
 
+def _saved_locally(tmp: Path) -> int:
+    """The newest `checkpoint-N` folder a worker saved under its TMPDIR (`tmp`), which it does before
+    committing that step to the store: a local glob, so the loop below lists the store (S3: ~20 ms of
+    CPU between boto3 and moto a call) only once a commit is coming, not 20 times a second throughout."""
+    steps = [int(p.name.split("-", 1)[1]) for p in tmp.glob("omni-trl-*/output/checkpoint-*")
+             if p.name.split("-", 1)[1].isdigit()]
+    return max(steps, default=0)
+
+
 def _newest(store: Store, pipeline: str) -> int:
     """The newest committed grpo checkpoint of `pipeline` (0: none)."""
     suffix = f"/{MANIFEST}"
@@ -270,6 +279,10 @@ def faults(grpo_run, trl_env, mlflow_server, prefect_server, tmp_path_factory):
     try:
         deadline = time.monotonic() + 900
         while first.poll() is None and time.monotonic() < deadline:
+            awaited = KILL_WORKER_AT if "worker" not in seen else max(seen["at_worker_kill"], KILL_DRIVER_AT - 1) + 1
+            if _saved_locally(tmp) < awaited:
+                time.sleep(0.05)
+                continue
             newest = _newest(store, "trl-fault")
             if "worker" not in seen and newest >= KILL_WORKER_AT:
                 workers = _ray_train_workers(first.pid)

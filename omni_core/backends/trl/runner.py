@@ -51,7 +51,7 @@ def placement_problem(stage: Any, nodes: list[dict[str, Any]], where: str) -> st
 
 
 def run_trl(run: TrainingRun) -> Any:
-    from omni_core.training.ray_env import start_ray
+    from omni_core.training.ray_env import is_local, start_ray
     from omni_core.training.ray_stage import RLStageResult
 
     ctx, stage = run.ctx, run.stage
@@ -82,7 +82,7 @@ def run_trl(run: TrainingRun) -> Any:
                  f"Ray Train run {job.ray_run})")
     fit_started = time.time()
     with _progress(run, job.trainer):
-        _fit(stage, job)
+        _fit(stage, job, local=is_local(ctx.config.ray))
     _log_start_seconds(ctx, fit_started, total)
     final = latest_checkpoint(ctx.store, root)
     if final is None or final.get("model_format") != FINAL_FORMAT or final["global_step"] < total:
@@ -120,7 +120,7 @@ def worker_job(run: TrainingRun, root: str) -> Any:
         extra_env={"TOKENIZERS_PARALLELISM": "false"})
 
 
-def _fit(stage: Any, job: Any) -> None:
+def _fit(stage: Any, job: Any, *, local: bool) -> None:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -131,6 +131,8 @@ def _fit(stage: Any, job: Any) -> None:
     # Ray Train's workers send print() to its logger too, also while a library captures stdout (dill prints a
     # function's bytecode into a capture when datasets hashes TRL's map functions): into the driver's log
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    if local:  # this process's own Ray: no node of it can be preempted, so no watcher actor (a process) for that
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     trainer = TorchTrainer(
         train_loop, train_loop_config={"job": asdict(job)},
         scaling_config=ScalingConfig(num_workers=backend.num_workers, use_gpu=backend.use_gpu,
