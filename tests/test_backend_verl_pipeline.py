@@ -382,7 +382,10 @@ def faults(uninterrupted, ray_jobs, verl_s3, tmp_path_factory, prefect_db, mlflo
         gspo_latest = None
         while gspo_latest is None or int(store.read_text(gspo_latest).strip() or 0) < 1:
             assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-4000:]
-            gspo_latest = next((k for k in store.list("runs/verl-fault") if k.endswith(f"/gspo/{LATEST}")), None)
+            # verl writes its latest file on the shared path before the driver mirrors the step: the store (S3)
+            # is listed only from then on, not every half second of the whole run
+            if any(p.read_text().strip() not in ("", "0") for p in shared.glob(f"runs/verl-fault/*/gspo/{LATEST}")):
+                gspo_latest = next((k for k in store.list("runs/verl-fault") if k.endswith(f"/gspo/{LATEST}")), None)
             time.sleep(0.5)
         [job] = [j for j in ray_jobs.list_jobs() if (j.submission_id or "").startswith("omni-verl-verl-fault-gspo-")]
         running = ray_jobs.get_job_status(job.submission_id).value
