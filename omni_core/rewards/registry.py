@@ -80,7 +80,7 @@ def reward_for_data_source(data_source: str) -> RewardFn:
         raise ConfigError(f"no reward registered for data_source {data_source!r}; {_known()}") from None
 
 
-def _custom(spec: str) -> tuple[Path, str] | None:
+def custom_reward_spec(spec: str) -> tuple[Path, str] | None:
     """(file, function) of a custom `path/to/file.py:function` reward spec, else None."""
     path, sep, func = spec.rpartition(":")
     return (Path(path).expanduser(), func) if sep and path.endswith(".py") else None
@@ -89,7 +89,7 @@ def _custom(spec: str) -> tuple[Path, str] | None:
 def custom_reward_file(spec: str | None) -> Path | None:
     """The file of a custom `path/to/file.py:function` reward when it exists (its bytes key the stages
     that use it), else None."""
-    custom = _custom(spec or "")
+    custom = custom_reward_spec(spec or "")
     return custom[0] if custom and custom[0].is_file() else None
 
 
@@ -98,7 +98,7 @@ def reward_problem(spec: str) -> str | None:
     only looked for (its import, its function and signature are checked where it runs)."""
     if spec in _BY_NAME or spec in _BY_DATA_SOURCE:
         return None
-    custom = _custom(spec)
+    custom = custom_reward_spec(spec)
     if custom is None:
         return f"unknown reward {spec!r}; {_known()}; or give a custom reward as 'path/to/file.py:function'"
     return None if custom[0].is_file() else f"custom reward {spec!r}: file {custom[0]} does not exist; fix the path"
@@ -110,7 +110,7 @@ def get_reward(spec: str) -> RewardFn:
         return _BY_NAME[spec]
     if spec in _BY_DATA_SOURCE:
         return _BY_DATA_SOURCE[spec]
-    custom = _custom(spec)
+    custom = custom_reward_spec(spec)
     if custom is None or not custom[0].is_file():
         raise ConfigError(reward_problem(spec))
     return _load_custom(*custom, spec)

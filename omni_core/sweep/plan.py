@@ -392,13 +392,14 @@ def check_variants(plan: SweepPlan) -> None:
         samples = [plan.variant(0, low), plan.variant(0, high)]
     steps = []
     for variant in samples:
-        values = ", ".join(f"{k}={v!r}" for k, v in variant.params.items())
         try:
             config = validate_pipeline(plan.variant_data(variant, register=True), plan.pipeline_file)
+            errors = unknown_names(config)  # a swept converter or reward name
         except ConfigValidationError as exc:
-            raise ConfigError(f"parameters: the variant {values} is not a valid pipeline: {'; '.join(exc.errors)}") from None
-        if unknown := unknown_names(config):  # a swept converter or reward name
-            raise ConfigError(f"parameters: the variant {values} is not a valid pipeline: {'; '.join(unknown)}")
+            errors = exc.errors
+        if errors:
+            values = ", ".join(f"{k}={v!r}" for k, v in variant.params.items())
+            raise ConfigError(f"parameters: the variant {values} is not a valid pipeline: {'; '.join(errors)}")
         if plan.asha is not None:
             steps.append(config.stage(plan.asha.stage).trainer.total_steps)
     if plan.asha is not None and not plan.asha.rungs(min(steps)):

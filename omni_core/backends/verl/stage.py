@@ -31,7 +31,7 @@ from omni_core.backends.verl.cpu import cpu_problem
 from omni_core.backends.verl.options import VerlBackend, VerlTraining
 from omni_core.backends.verl.render import VerlCommand, render
 from omni_core.errors import ConfigError
-from omni_core.rewards.registry import custom_reward_file
+from omni_core.rewards.registry import custom_reward_file, custom_reward_spec
 
 TASKS = {"sft": "sft", "grpo": "grpo", "gspo": "gspo"}
 SFT_RESPONSE = {"auto": "extra_info.answer", "answer": "extra_info.answer", "ground_truth": "reward_model.ground_truth"}
@@ -106,9 +106,8 @@ def reward_problem(stage: Any) -> str | None:
     name = stage.reward.name
     if name == DEFAULT_REWARD or name in REWARD_FILES or custom_reward_file(name) is not None:
         return None
-    path, sep, _ = name.rpartition(":")
-    if sep and path.endswith(".py"):
-        return f"reward.name: {name}: the file {path} does not exist; fix the path"
+    if (custom := custom_reward_spec(name)) is not None:
+        return f"reward.name: {name}: the file {custom[0]} does not exist; fix the path"
     return (f"reward.name: {name}: verl scores each row with its data_source's reward (GSM8K: gsm8k), one of ours it "
             f"can load by path ({', '.join(REWARD_FILES)}), or a custom one written reward: {{name: "
             "path/to/file.py:function}} (verl's custom reward function, with its signature)")
@@ -132,7 +131,7 @@ def reward_script(stage: Any) -> tuple[str, str] | None:
     if name in REWARD_FILES:
         return REWARD_FILES[name], "compute_score"
     if (path := custom_reward_file(name)) is not None:
-        return staged_reward_path(path, stage.backend.shared_dir), name.rpartition(":")[2]
+        return staged_reward_path(path, stage.backend.shared_dir), custom_reward_spec(name)[1]
     return None
 
 
