@@ -3,6 +3,7 @@ metric names, determinism, the omni path, and the proof that DPO and MPO rank he
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,8 @@ import torch
 from omni_core.config import DatasetConfig
 from omni_core.data.ingest import ingest
 from omni_core.errors import ConfigError, ModelError
-from omni_core.models import load_model, tiny_model_dir
+from omni_core.models import load_model, response_logits, tiny_model_dir, token_logprobs
+from omni_core.models.multimodal_inputs import prompt_messages
 from omni_core.storage import Store
 from omni_core.training.preference import (
     PreferenceConfig,
@@ -130,6 +132,42 @@ def test_encode_pairs_masks_exactly_the_response_and_eos(pairs) -> None:
         assert "<image>" not in text and text.endswith("<|im_start|>assistant\n" + answer + "<|im_end|>")
 
 
+def test_a_rows_cached_token_ids_give_the_batch_one_tokenizer_call_gives(pairs) -> None:
+    """The trainer keeps each row's token ids (encode_pairs' cache): its batches are the tensors that
+    tokenizing the batch's texts in one call gives, and a cached row is not tokenized again."""
+    _, tokenizer = lm()
+    rows = pairs[0][:5]
+    cache: dict = {}
+    first = encode_pairs(tokenizer, rows[:3], cache, [0, 1, 2])
+    assert sorted(cache) == [0, 1, 2]
+    cache[1] = dataclasses.replace(cache[1], chosen=cache[1].chosen[1:], chosen_answer=cache[1].chosen_answer)
+    again = encode_pairs(tokenizer, [rows[1]], cache, [1])  # the cached (here: altered) ids are used
+    assert again.inputs["input_ids"][0][again.inputs["attention_mask"][0].bool()].tolist() == cache[1].chosen
+    del cache[1]
+    batch = encode_pairs(tokenizer, rows[2:5], cache, [2, 3, 4])
+    for encoded, picked in ((first, rows[:3]), (batch, rows[2:5])):
+        prompts = [tokenizer.apply_chat_template(prompt_messages(r, False), add_generation_prompt=True, tokenize=False)
+                   for r in picked]
+        answers = [r["chosen"]["content"] for r in picked] + [r["rejected"]["content"] for r in picked]
+        one_call = tokenizer([p + a + tokenizer.eos_token for p, a in zip(prompts + prompts, answers, strict=True)],
+                             padding=True, return_tensors="pt", add_special_tokens=False)
+        assert torch.equal(encoded.inputs["input_ids"], one_call["input_ids"])
+        assert torch.equal(encoded.inputs["attention_mask"], one_call["attention_mask"])
+
+
+def test_response_logits_are_the_full_forwards_last_positions(pairs) -> None:
+    """Log-probs from the logits of the response window only (`logits_to_keep`) equal those of the
+    full forward, and the forward really kept fewer positions."""
+    model, tokenizer = lm()
+    batch = encode_pairs(tokenizer, pairs[0][:4])
+    with torch.no_grad():
+        full = token_logprobs(model(**batch.inputs).logits, batch.inputs["input_ids"]) * batch.response_mask
+        window = response_logits(model, batch.response_mask, **batch.inputs)
+        windowed = token_logprobs(window, batch.inputs["input_ids"]) * batch.response_mask
+    assert window.shape[1] < batch.inputs["input_ids"].shape[1]
+    torch.testing.assert_close(windowed, full, atol=1e-5, rtol=0)
+
+
 def test_sequence_logps_do_not_depend_on_padding_or_batch_mates(pairs) -> None:
     model, tokenizer = lm()
     rows = pairs[0][:4]
@@ -151,7 +189,7 @@ def test_reference_without_lora_needs_a_model(pairs) -> None:
 
 
 DPO_KEYS = {"actor/dpo_loss", "actor/reward_accuracy", "actor/chosen_rewards", "actor/rejected_rewards",
-            "actor/reward_margin", "actor/grad_norm", "actor/lr"}
+            "actor/reward_margin", "actor/grad_norm", "actor/lr", "timing_s/ref"}
 
 
 def test_metric_names_and_validation_per_modality(pairs) -> None:
@@ -181,11 +219,51 @@ def test_same_seed_gives_identical_weights_and_metrics(pairs) -> None:
     for seed in (SEED, SEED, SEED + 1):
         model, tokenizer = lm()
         trainer = PreferenceTrainer(PreferenceConfig(batch_size=4), pairs[0], seed, model=model, text_io=tokenizer)
-        metrics = [trainer.step() for _ in range(3)]
+        metrics = [{k: v for k, v in trainer.step().items() if not k.startswith("timing_s/")} for _ in range(3)]
         runs.append((metrics, {k: v.clone() for k, v in model.state_dict().items()}))
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
     assert any(not torch.equal(runs[0][1][k], runs[2][1][k]) for k in runs[0][1])
+
+
+def test_reference_log_probs_are_computed_once_per_pair_and_resume_to_the_same_weights(pairs) -> None:
+    """A run that sees every pair computes each pair's reference log-probs once, in fixed chunks: they
+    match the per-step reference, no step after the chunks are done runs the reference, and a trainer
+    restored after 3 steps (its cache empty) reaches the uninterrupted run's weights bit for bit."""
+    train = pairs[0][:24]
+    config = PreferenceConfig(batch_size=4, total_steps=8, val_batch_size=8)  # 8 x 4 >= 24 pairs: cached
+
+    def trainer() -> PreferenceTrainer:
+        model, tokenizer = lm()
+        return PreferenceTrainer(config, train, SEED, model=model, text_io=tokenizer)
+
+    uninterrupted = trainer()
+    steps = [uninterrupted.step() for _ in range(8)]
+    cache = uninterrupted._reference_cache
+    assert cache is not None and sorted(cache.chosen) == list(range(24))
+    # every pair was computed in the first pass: later steps only look theirs up
+    assert steps[-1]["timing_s/ref"] < steps[0]["timing_s/ref"] / 10
+    index = [3, 17, 5]
+    per_step = reference_logps(uninterrupted.model, uninterrupted.reference, encode_pairs(uninterrupted.text_io,
+                                                                                          [train[i] for i in index]))
+    cached = cache.logps(index, lambda rows: pytest.fail(f"computed {rows} again"))
+    torch.testing.assert_close(cached.chosen, per_step.chosen, atol=1e-4, rtol=0)
+    torch.testing.assert_close(cached.rejected, per_step.rejected, atol=1e-4, rtol=0)
+
+    first = trainer()
+    for _ in range(3):
+        first.step()
+    state, weights = first.state_dict(), {k: v.clone() for k, v in first.model.state_dict().items()}
+    resumed = trainer()
+    resumed.model.load_state_dict(weights)
+    resumed.load_state_dict(state)
+    for _ in range(5):
+        resumed.step()
+    expected = uninterrupted.model.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in resumed.model.state_dict().items())
+    few = PreferenceTrainer(PreferenceConfig(batch_size=4, total_steps=5), train, SEED, model=lm()[0],
+                            text_io=lm()[1])
+    assert few._reference_cache is None  # 5 x 4 < 24 pairs: the reference runs on each step's pairs
 
 
 @pytest.mark.parametrize("loss_mode", ["dpo", "mpo"])

@@ -2,9 +2,11 @@
 
 A step, composed from the pieces below (formulas in `omni_core.algorithms.preference`):
 
-    rows    = [train_rows[i] for i in sampler.batch(step)]          # one modality per batch
-    batch   = encode_pairs(text_io, rows)                            # chosen rows, then rejected rows
+    index   = sampler.batch(step)                                    # one modality per batch
+    rows    = [train_rows[i] for i in index]
+    batch   = encode_pairs(text_io, rows, cache, index)              # chosen rows, then rejected rows
     ref     = reference_logps(model, reference, batch, average)      # frozen copy, or LoRA disabled
+              # (or ReferenceCache.logps: each pair's once, when the run sees every pair)
     policy  = pair_logps(model, batch, average)
     loss, m = preference_step_loss(policy, ref, config)              # dpo: one loss_type; mpo: a list
     m["actor/grad_norm"] = optimizer_step(model, optimizer, loss, max_grad_norm)
@@ -20,7 +22,8 @@ term), `actor/reward_accuracy`, `actor/chosen_rewards`, `actor/rejected_rewards`
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,7 +38,7 @@ from omni_core.algorithms.preference import (
     sft_loss,
 )
 from omni_core.config.models import RLStage
-from omni_core.models import token_logprobs
+from omni_core.models import response_logits, token_logprobs
 from omni_core.training.algorithms.preference import PreferenceOptions
 from omni_core.training.components import (
     build_optimizer,
@@ -94,27 +97,72 @@ class PairBatch:
         return len(self.modalities)
 
 
-def encode_pairs(text_io: Any, rows: Sequence[Row]) -> PairBatch:
+def encode_pairs(text_io: Any, rows: Sequence[Row], cache: dict[int, PairIds] | None = None,
+                 keys: Sequence[int] | None = None) -> PairBatch:
     """Chat-template prompt + response + EOS for the chosen and the rejected answer of each row.
 
     `text_io` is a tokenizer (prompts without media markers) or a multimodal processor (media
     markers become the model's media tokens and the row's images/audio are processed with them).
+    With a tokenizer, `cache` (with each row's key in `keys`) keeps each row's token ids, so a row
+    that comes back in a later pass is not tokenized again.
     """
-    tokenizer, multimodal = tokenizer_of(text_io), is_processor(text_io)
-    prompts = [text_io.apply_chat_template(prompt_messages(row, multimodal), add_generation_prompt=True,
-                                           tokenize=False) for row in rows]
+    if is_processor(text_io):
+        return _encode_media_pairs(text_io, rows)
+    tokenizer = tokenizer_of(text_io)
+    if cache is None or keys is None:
+        encoded = [pair_ids(tokenizer, row) for row in rows]
+    else:
+        encoded = [cache[key] if key in cache else cache.setdefault(key, pair_ids(tokenizer, row))
+                   for key, row in zip(keys, rows, strict=True)]
+    sequences = [e.chosen for e in encoded] + [e.rejected for e in encoded]
+    inputs = dict(tokenizer.pad({"input_ids": sequences}, padding=True, return_tensors="pt"))
+    inputs["position_ids"] = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding
+    lengths = [e.chosen_answer for e in encoded] + [e.rejected_answer for e in encoded]
+    return PairBatch(inputs, _response_mask(inputs["attention_mask"], lengths), [row_modality(row) for row in rows])
+
+
+@dataclass(frozen=True)
+class PairIds:
+    """One row's token ids (prompt + answer + EOS) for its chosen and its rejected answer, and the
+    number of answer tokens (EOS included) at the end of each."""
+
+    chosen: list[int]
+    rejected: list[int]
+    chosen_answer: int
+    rejected_answer: int
+
+
+def pair_ids(tokenizer: Any, row: Row) -> PairIds:
+    prompt = tokenizer.apply_chat_template(prompt_messages(row, False), add_generation_prompt=True, tokenize=False)
+    encoded = []
+    for answer in (row["chosen"]["content"], row["rejected"]["content"]):
+        ids = tokenizer(prompt + answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        answer_ids = tokenizer(answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        if ids[len(ids) - len(answer_ids):] != answer_ids:  # the response must tokenize the same after its prompt
+            raise ValueError(f"response {answer!r} tokenizes differently after its prompt")
+        encoded.append((ids, len(answer_ids)))
+    (chosen, chosen_answer), (rejected, rejected_answer) = encoded
+    return PairIds(chosen, rejected, chosen_answer, rejected_answer)
+
+
+def _response_mask(attention: Tensor, answer_lengths: Sequence[int]) -> Tensor:
+    """1 on the last `answer_lengths[row]` attended tokens of each row (the padding is on the left)."""
+    lengths = torch.tensor(list(answer_lengths)).unsqueeze(-1)
+    remaining = attention.sum(-1, keepdim=True) - attention.cumsum(-1)  # attended tokens after each position
+    return (attention.bool() & (remaining < lengths)).long()
+
+
+def _encode_media_pairs(processor: Any, rows: Sequence[Row]) -> PairBatch:
+    """encode_pairs with a multimodal processor: the rows' images and audio go with their text."""
+    tokenizer = tokenizer_of(processor)
+    prompts = [processor.apply_chat_template(prompt_messages(row, True), add_generation_prompt=True,
+                                             tokenize=False) for row in rows]
     answers = [row["chosen"]["content"] for row in rows] + [row["rejected"]["content"] for row in rows]
     texts = [p + a + tokenizer.eos_token for p, a in zip(prompts + prompts, answers, strict=True)]
-    if multimodal:
-        inputs = dict(text_io(text=texts, padding=True, return_tensors="pt", **row_media(list(rows) * 2)))
-    else:
-        inputs = dict(tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False))
-        inputs["position_ids"] = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding
-    ids, attention = inputs["input_ids"], inputs["attention_mask"]
+    inputs = dict(processor(text=texts, padding=True, return_tensors="pt", **row_media(list(rows) * 2)))
+    ids = inputs["input_ids"]
     answer_ids = [tokenizer(a + tokenizer.eos_token, add_special_tokens=False)["input_ids"] for a in answers]
-    lengths = torch.tensor([len(a) for a in answer_ids]).unsqueeze(-1)
-    remaining = attention.sum(-1, keepdim=True) - attention.cumsum(-1)  # attended tokens after each position
-    response_mask = (attention.bool() & (remaining < lengths)).long()
+    response_mask = _response_mask(inputs["attention_mask"], [len(a) for a in answer_ids])
     for row, expected in enumerate(answer_ids):  # the response must tokenize the same after its prompt
         if ids[row][response_mask[row].bool()].tolist() != expected:
             raise ValueError(f"response {answers[row]!r} tokenizes differently after its prompt")
@@ -134,7 +182,7 @@ class PairLogps:
 
 def pair_logps(model: torch.nn.Module, batch: PairBatch, average: bool = False) -> PairLogps:
     """Log-probs of the chosen and rejected responses given their prompts (with gradient)."""
-    logits = model(**batch.inputs).logits
+    logits = response_logits(model, batch.response_mask, **batch.inputs)
     tokens = token_logprobs(logits, batch.inputs["input_ids"]) * batch.response_mask
     seq = sequence_logps(tokens, batch.response_mask, average=average)
     b = batch.num_pairs
@@ -148,12 +196,40 @@ def reference_logps(model: torch.nn.Module, reference: torch.nn.Module | None, b
     adapter disabled, i.e. the base weights. Eval mode; the policy's train/eval mode is restored."""
     target = model if reference is None else reference
     was_training = target.training
-    target.eval()
+    if was_training:  # a frozen copy stays in eval mode: no walk over its modules each step
+        target.eval()
     try:
         with reference_policy(model, reference) as ref:
             return pair_logps(ref, batch, average)
     finally:
-        target.train(was_training)
+        if was_training:
+            target.train()
+
+
+class ReferenceCache:
+    """The frozen reference's log-probs of each training pair, computed once, for a run that sees every
+    pair at least once (TRL's `precompute_ref_log_probs`, done lazily): a step's pairs are looked up, and
+    the first step that needs a pair computes the fixed chunk it belongs to (`validation_batches` of the
+    training rows: single-modality, in row order). A value depends on its chunk only, never on the step
+    that asked first, so a resumed run reads the same numbers as an uninterrupted one."""
+
+    def __init__(self, modalities: Sequence[str], chunk_size: int):
+        self.chunks = validation_batches(modalities, chunk_size)
+        self.chunk_of = {row: c for c, rows in enumerate(self.chunks) for row in rows}
+        self.chosen: dict[int, Tensor] = {}
+        self.rejected: dict[int, Tensor] = {}
+
+    def logps(self, index: Sequence[int], compute: Callable[[list[int]], PairLogps]) -> PairLogps:
+        """Reference log-probs of rows `index` (`chosen`, `rejected`: [B]); `compute(rows)` runs the
+        reference on a chunk's rows."""
+        for chunk in sorted({self.chunk_of[i] for i in index if i not in self.chosen}):
+            rows = self.chunks[chunk]
+            computed = compute(rows)
+            for k, row in enumerate(rows):
+                self.chosen[row], self.rejected[row] = computed.chosen[k], computed.rejected[k]
+        chosen = torch.stack([self.chosen[i] for i in index])
+        rejected = torch.stack([self.rejected[i] for i in index])
+        return PairLogps(chosen, rejected, chosen.new_zeros(0), chosen.new_zeros(0))
 
 
 # ---- loss and metrics ----------------------------------------------------------------------------
@@ -218,15 +294,30 @@ class PreferenceTrainer(TrainerState):
         self.sampler = ModalityGroupedSampler([row_modality(r) for r in self.train_rows], config.batch_size,
                                               seed=seed, weights=config.modality_weights)
         self.global_step = 0
+        self._encoded: dict[int, PairIds] = {}  # train row index -> its token ids (encode_pairs' cache)
+        # every pair seen at least once: its reference log-probs are computed once, not once a visit
+        sees_every_pair = config.total_steps * config.batch_size >= len(self.train_rows)
+        self._reference_cache = ReferenceCache([row_modality(r) for r in self.train_rows], config.val_batch_size) \
+            if sees_every_pair else None
+
+    def _encode(self, index: Sequence[int]) -> PairBatch:
+        return encode_pairs(self.text_io, [self.train_rows[i] for i in index], self._encoded, index)
 
     def step(self) -> dict[str, float]:
-        rows = [self.train_rows[i] for i in self.sampler.batch(self.global_step)]
-        batch = encode_pairs(self.text_io, rows)
+        index = self.sampler.batch(self.global_step)
+        batch = self._encode(index)
         average = self.config.average_log_prob
-        ref = reference_logps(self.model, self.reference, batch, average)
+        t = time.perf_counter()
+        if self._reference_cache is None:
+            ref = reference_logps(self.model, self.reference, batch, average)
+        else:
+            ref = self._reference_cache.logps(
+                index, lambda rows: reference_logps(self.model, self.reference, self._encode(rows), average))
+        t_ref = time.perf_counter() - t
         loss, metrics = preference_step_loss(pair_logps(self.model, batch, average), ref, self.config)
         metrics["actor/grad_norm"] = optimizer_step(self.model, self.optimizer, loss, self.config.max_grad_norm)
         metrics["actor/lr"] = self.config.lr
+        metrics["timing_s/ref"] = t_ref
         self.global_step += 1
         return metrics
 

@@ -94,4 +94,6 @@ for _name in ("dpo", "mpo"):
             "actor/reward_margin": "mean chosen - rejected reward",
             "actor/grad_norm": "gradient norm before clipping",
             "actor/lr": "learning rate",
+            "timing_s/ref": "seconds of the step's reference log-probs: a lookup once a run that sees every "
+                            "pair has computed them (each pair's once, in fixed chunks)",
         }))
