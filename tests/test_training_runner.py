@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 import yaml
 
 from omni_core.config import DatasetConfig
@@ -74,16 +75,20 @@ def train(env: Any, spec: dict[str, Any], *, kill: str | None = None, store: Sto
     store = store or Store(str(env["tmp"].mktemp("run")))
     killed: list[int] = []
     runner: StageRunner
+    actor_steps: list[int] = []  # the trainer actor's step once the driver has step N (calls queue behind it)
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
         if kill and step == 3 and not killed:
             killed.append(pid := runner.actor_pids()[kill])
             os.kill(pid, signal.SIGKILL)
+        elif not kill:
+            actor_steps.append(ray.get(runner.attempt.trainer.global_step.remote()))
 
     run = StageRun("runner-test", stage, 0, store, env["rows"], env["version"],
                    rl_run_key(stage, 0, env["version"]), config_digest(stage, 0, env["version"]),
                    progress=(said.append if said is not None else lambda _: None), on_step=on_step)
     runner = StageRunner(run)
+    runner.actor_steps = actor_steps
     manifest = runner.run()
     assert bool(killed) == bool(kill)
     return manifest, runner, store
@@ -100,7 +105,8 @@ def clean_run(env: Any, mode: str) -> dict[str, Any]:
     if mode not in env["clean"]:
         spec = stage_spec(mode, **(ASYNC if mode == "separate_async" else {}))
         manifest, runner, store = train(env, spec)
-        env["clean"][mode] = {"manifest": manifest, "metrics": runner.run_.metrics, "store": store}
+        env["clean"][mode] = {"manifest": manifest, "metrics": runner.run_.metrics, "store": store,
+                              "actor_steps": runner.actor_steps}
     return env["clean"][mode]
 
 
@@ -235,6 +241,14 @@ def test_a_killed_actor_resumes_to_the_same_weights(env: Any, mode: str, victim:
     assert len(resumed) == 1 and "resuming at step 2/4" in resumed[0], said
     assert policy_sha(manifest) == policy_sha(clean["manifest"])
     assert manifest["weights"] == "model.safetensors"
+
+
+def test_the_trainer_runs_the_next_step_while_the_driver_logs_the_last(env: Any):
+    """Sync, rollout in the trainer: when the driver has step N (and has saved its checkpoint, every 2nd
+    step here), step N+1 is already queued in the trainer actor; the separate_async trainer learns from
+    rollout workers' batches and is not run ahead."""
+    assert clean_run(env, "sync")["actor_steps"] == [2, 3, 4, 4]
+    assert clean_run(env, "separate_async")["actor_steps"] == [1, 2, 3, 4]
 
 
 def test_sync_and_separate_async_train_different_weights(env: Any):

@@ -309,34 +309,56 @@ class StageRunner:
                 pending[next_batch] = (parts, scores)
                 next_batch += 1
 
+        def saves(version: int) -> bool:
+            return version == total or bool(stage.checkpoint.save_freq and version % stage.checkpoint.save_freq == 0)
+
+        def submit(step: int) -> Any:
+            """The trainer's whole step `step` (no rollout workers), started now; None once cancelled."""
+            if _cancels[0] != self._cancels_at_start:
+                return None
+            if in_trainer:
+                return attempt.trainer.rollout_step.remote(step)
+            return attempt.trainer.step_colocated.remote(step)
+
         metrics: dict[str, float] = {}
         last = time.perf_counter()
         manifest_out: dict[str, Any] | None = None
+        # while the driver logs step N, the trainer actor already runs step N+1 (an actor runs its calls in
+        # order); not across a checkpoint, which holds the state after step N
+        running = None if split or start >= total else submit(start)
         for step in range(start, total):
-            if _cancels[0] != self._cancels_at_start:
-                raise TrainingCancelled(f"stage {stage.name}: cancelled before step {step + 1}/{total}")
-            launch_ready()
             if split:
+                if _cancels[0] != self._cancels_at_start:
+                    raise TrainingCancelled(f"stage {stage.name}: cancelled before step {step + 1}/{total}")
+                launch_ready()
                 parts, scores = pending.pop(step)
                 learned = attempt.trainer.learn.remote(step, is_dropped(step, ex), len(parts), *parts, *scores)
                 launch_ready()  # batches whose version is already out start while the trainer trains
                 metrics = dict(ray.get(learned))
                 metrics.update(self._rollout_metrics(step, ray.get(parts), ray.get(scores)))
-            elif in_trainer:
-                learnt, part = ray.get(attempt.trainer.rollout_step.remote(step))
-                metrics = {**learnt, **self._rollout_metrics(step, [part], [part])}
             else:
-                metrics = dict(ray.get(attempt.trainer.step_colocated.remote(step)))
+                if running is None:
+                    raise TrainingCancelled(f"stage {stage.name}: cancelled before step {step + 1}/{total}")
+                done, running = ray.get(running), None
+                if step + 1 < total and not saves(step + 1):
+                    running = submit(step + 1)
+                if in_trainer:
+                    learnt, part = done
+                    metrics = {**learnt, **self._rollout_metrics(step, [part], [part])}
+                else:
+                    metrics = dict(done)
             version = step + 1
             if split and (ex.mode == "sync" or version % ex.parameter_sync_step == 0):
                 published[version] = attempt.trainer.weights.remote()
             needed = {rollout_version(k, ex) for k in range(version, total)}
             for old in [v for v in published if v < min(needed, default=version)]:
                 del published[old]
-            if version == total or (stage.checkpoint.save_freq and version % stage.checkpoint.save_freq == 0):
+            if saves(version):
                 manifest_out = self._save(version, metrics, sorted(v for v in needed if v < version and published.get(v)),
                                           published)
                 metrics["timing_s/save_checkpoint"] = manifest_out["save_s"]
+                if not split and version < total:
+                    running = submit(version)
             now = time.perf_counter()
             metrics["timing_s/step"] = now - last
             last = now
