@@ -92,6 +92,29 @@ def test_responses_that_stop_early_are_the_engines(lm, sampling: ARSampling) -> 
     assert all(o[-1] in eos for o in lean if len(o) < 12)
 
 
+@pytest.mark.parametrize("sampling", [ARSampling(temperature=1.0, max_new_tokens=12),
+                                      ARSampling(temperature=0.7, top_p=0.9, max_new_tokens=12),
+                                      ARSampling(greedy=True, max_new_tokens=12)], ids=["t1", "top-p", "greedy"])
+def test_a_rollouts_tokens_and_log_probs_are_the_engines(lm, sampling: ARSampling) -> None:
+    """What a GRPO rollout worker takes from `decode_with_logprobs`: each response's tokens, as the
+    engine's, and the log-prob of each as the engine records it (responses ending at different steps:
+    the engine drops a finished row at once, this batch keeps it until half are done, so a later
+    forward's floats may differ in the last bits; the tokens drawn do not)."""
+    model, tokenizer = lm
+    prompts = encode_prompts(tokenizer, ROWS + ROWS[:3], 64)
+    seeds = list(range(21, 29))
+    free = lean_decode.decode(model, prompts, sampling, seeds, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    eos = [tokenizer.eos_token_id] + [free[i][2] for i in range(5)]
+    lean = lean_decode.decode_with_logprobs(model, prompts, sampling, seeds, eos, tokenizer.pad_token_id)
+    with ARengine(model, tokenizer, EngineConfig(max_num_seqs=8), eos_token_ids=eos) as engine, engine._lock:
+        results = engine.run_requests([RolloutRequest(p, sampling, seed=s) for p, s in zip(prompts, seeds, strict=True)])
+    assert [tokens for tokens, _ in lean] == [r.output for r in results]
+    assert sum(len(tokens) <= 3 for tokens, _ in lean) >= 5
+    for (tokens, logprobs), result in zip(lean, results, strict=True):
+        assert len(logprobs) == len(tokens)
+        torch.testing.assert_close(torch.tensor(logprobs), result.logprobs, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("rows", [ROWS, ROWS[:1] * 5], ids=["left-padded", "no-padding"])
 def test_a_step_gives_the_models_logits(lm, rows: list) -> None:
     """Bit for bit, with padding (SDPA on grouped query heads with a mask) and without (no mask)."""

@@ -72,6 +72,21 @@ PROBE = 8  # forwards without drafts before drafting again (`_depth`)
 def decode(model: Any, prompts: Sequence[Sequence[int]], sampling: Any, seeds: Sequence[int],
            eos_ids: Sequence[int], pad_id: int, *, speculate: int | None = None,
            stats: dict[str, int] | None = None) -> list[list[int]]:
+    return [tokens for tokens, _ in _run(model, prompts, sampling, seeds, eos_ids, pad_id, speculate, stats, False)]
+
+
+def decode_with_logprobs(model: Any, prompts: Sequence[Sequence[int]], sampling: Any, seeds: Sequence[int],
+                         eos_ids: Sequence[int], pad_id: int) -> list[tuple[list[int], list[float]]]:
+    """`decode` one token a step (no drafts), each response with the log-prob of each of its tokens as
+    `ARengine` records it (`log_softmax(logits / T)` of the drawn token): a GRPO rollout's tokens, the
+    engine's, and its rollout log-probs, the engine's to float rounding once rows finish at different
+    steps (the engine's batch drops a finished row at once; tests/test_rollout_lean_decode.py)."""
+    return _run(model, prompts, sampling, seeds, eos_ids, pad_id, 0, None, True)
+
+
+def _run(model: Any, prompts: Sequence[Sequence[int]], sampling: Any, seeds: Sequence[int], eos_ids: Sequence[int],
+         pad_id: int, speculate: int | None, stats: dict[str, int] | None, logprobs: bool,
+         ) -> list[tuple[list[int], list[float]]]:
     """The response token ids (each up to and including its first EOS) of each prompt, decoded together
     as one batch (left-padded), request i drawn with the generator seeded `seeds[i]` (unused for greedy).
     `speculate`: the most draft tokens per row and forward (0: one token a step; default SPECULATE for
@@ -83,21 +98,24 @@ def decode(model: Any, prompts: Sequence[Sequence[int]], sampling: Any, seeds: S
     if speculate is None:
         speculate = SPECULATE if sampling.greedy else 0
     was_training = model.training
-    model.eval()
+    if was_training:  # train() / eval() walk every module: only when needed
+        model.eval()
     try:
         with torch.inference_mode():
-            tokens = _decode(model, prompts, sampling, seeds, eos_ids, pad_id, speculate, stats)
+            tokens, logps = _decode(model, prompts, sampling, seeds, eos_ids, pad_id, speculate, stats, logprobs)
     finally:
-        model.train(was_training)
+        if was_training:
+            model.train()
     out = []
-    for row in tokens.tolist():
+    for i, row in enumerate(tokens.tolist()):
         end = next((k + 1 for k, t in enumerate(row) if t in eos_ids), len(row))
-        out.append(row[:end])
+        out.append((row[:end], logps[i, :end].tolist() if logps is not None else []))
     return out
 
 
 def _decode(model: Any, prompts: Sequence[Sequence[int]], sampling: Any, seeds: Sequence[int],
-            eos_ids: Sequence[int], pad_id: int, speculate: int, stats: dict[str, int] | None) -> Tensor:
+            eos_ids: Sequence[int], pad_id: int, speculate: int, stats: dict[str, int] | None,
+            logprobs: bool = False) -> tuple[Tensor, Tensor | None]:
     device = next(model.parameters()).device
     steps = sampling.max_new_tokens
     width = max(len(p) for p in prompts)
@@ -119,19 +137,24 @@ def _decode(model: Any, prompts: Sequence[Sequence[int]], sampling: Any, seeds: 
     eos = torch.tensor(sorted(eos_ids), device=device)
     if speculate:
         prompt = input_ids.masked_fill(~mask.bool(), -1)  # padding never matches a token when drafting
-        return _speculative(state, prompt, logits, sampling, uniforms, eos, steps, speculate, stats)
-    return _stepwise(state, logits, sampling, uniforms, eos, steps, pad_id, stats)
+        assert not logprobs, "log-probs are recorded one token a step"
+        return _speculative(state, prompt, logits, sampling, uniforms, eos, steps, speculate, stats), None
+    return _stepwise(state, logits, sampling, uniforms, eos, steps, pad_id, stats, logprobs)
 
 
 def _stepwise(state: _State, logits: Tensor, sampling: Any, uniforms: Tensor | None, eos: Tensor, steps: int,
-              pad_id: int, stats: dict[str, int] | None) -> Tensor:
-    """One token per row and forward."""
+              pad_id: int, stats: dict[str, int] | None, logprobs: bool) -> tuple[Tensor, Tensor | None]:
+    """One token per row and forward; with `logprobs`, each drawn token's log-prob too."""
     tokens = torch.full((logits.shape[0], steps), pad_id, dtype=torch.long, device=logits.device)
+    picked = torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device) if logprobs else None
     rows = torch.arange(logits.shape[0], device=logits.device)  # the prompt of each row still decoding
     done = torch.zeros(len(rows), dtype=torch.bool, device=logits.device)
     for k in range(steps):
-        chosen, _ = draw_tokens(logits, sampling, None if uniforms is None else uniforms[rows, k], logprobs=False)
+        chosen, logp = draw_tokens(logits, sampling, None if uniforms is None else uniforms[rows, k],
+                                   logprobs=logprobs)
         tokens[rows, k] = chosen
+        if picked is not None:
+            picked[rows, k] = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
         if stats is not None and k:
             _count(stats, (~done).sum(), (~done).sum())
         done |= torch.isin(chosen, eos)
@@ -145,7 +168,7 @@ def _stepwise(state: _State, logits: Tensor, sampling: Any, uniforms: Tensor | N
             state.select(keep)
             rows, chosen, done = rows[keep], chosen[keep], done[keep]
         logits = state.step(chosen, k).float()
-    return tokens
+    return tokens, picked
 
 
 def _speculative(state: _State, prompt: Tensor, logits: Tensor, sampling: Any, uniforms: Tensor | None,

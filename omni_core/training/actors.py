@@ -73,7 +73,9 @@ class _StageActor:
 class RolloutWorker(_StageActor):
     """Generates its share of each batch with an `ARengine` on its own copy of the policy: a Ray actor
     (`RolloutActor`), or, in sync mode with one rollout worker, an object inside the trainer actor
-    (`TrainerWorker(rollout_here=True)`), where it does the same work with the same numbers."""
+    (`TrainerWorker(rollout_here=True)`), where it does the same work with the same numbers. A text-only
+    Qwen3 policy decodes its request-level batches by `lean_decode` (the engine's tokens and rollout
+    log-probs, without transformers' per-token forward: `omni_core.rollout.lean_decode`)."""
 
     def __init__(self, stage_json: dict[str, Any], seed: int, rows: list[dict[str, Any]], worker: int, workers: int):
         super().__init__(stage_json, seed, rows)
@@ -87,6 +89,9 @@ class RolloutWorker(_StageActor):
         self.engine = ARengine(self.model, self.text_io, EngineConfig(max_num_seqs=stage.rollout.max_num_seqs,
                                                                       step_execution=stage.rollout.step_execution))
         self.version = 0
+        from omni_core.rollout import lean_decode
+
+        self.lean = lean_decode.supports(self.model, self.text_io)
 
     def generate(self, step: int, version: int, weights: dict[str, torch.Tensor] | None, score: bool) -> dict[str, Any]:
         """This worker's prompts of `step`, generated with policy `version` (`weights` when the worker
@@ -137,8 +142,22 @@ class RolloutWorker(_StageActor):
         out = []
         with self.engine._lock:  # the scheduler thread stays idle: nothing was submitted to it
             for start in range(0, len(requests), size):
-                out += self.engine.run_requests(requests[start:start + size])
+                chunk = requests[start:start + size]
+                out += self._lean(chunk) if self.lean else self.engine.run_requests(chunk)
         return out
+
+    def _lean(self, requests: list[Any]) -> list[Any]:
+        """`engine.run_requests(requests)` by `lean_decode` (one sampling for all: a stage's rollout)."""
+        import torch
+
+        from omni_core.rollout import lean_decode
+
+        engine = self.engine
+        decoded = lean_decode.decode_with_logprobs(
+            self.model, [r.prompt.token_ids for r in requests], requests[0].sampling, [r.seed for r in requests],
+            sorted(engine.eos_ids), engine.pad_id)
+        return [_Result(tokens, torch.tensor(logprobs, dtype=torch.float32),
+                        engine.tokenizer.decode(tokens, skip_special_tokens=True)) for tokens, logprobs in decoded]
 
 
 RolloutActor = ray.remote(RolloutWorker)  # Ray's class name stays RolloutWorker
