@@ -279,6 +279,23 @@ def test_grpo_with_vllm_colocate_is_built_up_to_the_trainers_start(tmp_path: Pat
         Worker(job, 0, 1, tmp_path / "worker").build_trainer(resumed=0)
 
 
+def test_the_ray_train_run_starts_no_dataset_manager_for_workers_that_read_the_store():
+    """Ray Train starts Ray Data's DatasetManager actor (a process) for every run; ours pass no Ray
+    Dataset, so our TorchTrainer leaves that callback out and keeps Ray Train's others."""
+    from ray.train.torch import TorchTrainer
+
+    from omni_core.backends.trl.runner import _trainer
+    from omni_core.backends.trl.worker import WorkerJob
+
+    stage = validate_pipeline(pipeline(backend={"name": "trl", "num_workers": 2})).stage("rl")
+    job = WorkerJob(pipeline="p", stage="rl", algorithm="grpo", trainer="GRPOTrainer", fields={}, lora=None,
+                    model_uri="tiny://lm", seed=0, store_root="s", shard_keys=[], stage_root="r", checkpoint={},
+                    config_digest="d", metadata={}, ray_run="r", use_gpu=False, num_threads=1)
+    ours = {type(c).__name__ for c in _trainer(stage, job, local=True)._create_default_callbacks()}
+    theirs = {type(c).__name__ for c in TorchTrainer(lambda: None)._create_default_callbacks()}
+    assert "DatasetsCallback" in theirs and ours == theirs - {"DatasetsCallback"}
+
+
 def test_a_worker_group_that_cannot_be_placed_is_refused_before_it_starts_naming_the_resources():
     from omni_core.backends.trl.runner import placement_problem
 

@@ -35,6 +35,7 @@ from mlflow import MlflowClient
 from pipeline_runs import REWARD, run_in_order
 from typer.testing import CliRunner
 
+from omni_core.backends.trl.metrics import OWN_SECONDS
 from omni_core.config import validate_pipeline
 from omni_core.storage import Store
 from omni_core.training.checkpoint import MANIFEST, checkpoint_steps, stage_prefix
@@ -138,6 +139,9 @@ def test_the_grpo_example_trains_on_trl_and_is_evaluated_registered_and_traced(g
         "omni.accelerate.version": "1.15.0", "omni.trl.world_size": "2", "omni.trl.num_threads": "1",
         "omni.trl.worker_group_starts": "1", "omni.trl.trainer": "GRPOTrainer"}
     assert tags["omni.trl.ray_train_run"].startswith(f"omni-trl-grpo-grpo-{grpo.outputs['run_key']}-")
+    seconds = client.get_run(grpo.mlflow_run_id).data.metrics  # the backend's own, once each (driver and rank 0)
+    assert {f"trl/{name}_s" for name in OWN_SECONDS} - {"trl/restore_s"} <= set(seconds)
+    assert seconds["trl/start_s"] > 0 and seconds["trl/setup_s"] > seconds["trl/data_s"] > 0
     progress = [ln for ln in lines if ln.startswith("[grpo] step ")]
     assert progress and progress[-1].startswith(f"[grpo] step {GRPO_STEPS}/{GRPO_STEPS}  reward=")
     assert "  len=" in progress[-1] and progress[-1].endswith("s")

@@ -11,9 +11,11 @@ PROGRESS = {"GRPOTrainer": (("reward", "reward"), ("reward_std", "reward_std"), 
             "DPOTrainer": (("loss", "loss"), ("rewards/accuracies", "reward_acc"), ("rewards/margins", "margin")),
             "SFTTrainer": (("loss", "loss"), ("mean_token_accuracy", "token_acc"))}
 
-# the backend's own seconds per stage (rank 0's, logged once at the end; `trl/start_s` by the driver),
+# the backend's own seconds per stage (rank 0's, logged once at the end; `trl/start_s` and
+# `trl/driver_import_s` by the driver),
 # beside TRL's own per-step names (whatever its trainer logs: `reward`, `rewards/{function}/mean`, `loss`, ...)
 OWN_SECONDS = {
+    "driver_import": "the driver's import of Ray Train (once per process: 0 for its later trl stages)",
     "start": "from Ray Train's fit() to the workers' train function (controller and worker processes, imports)",
     "setup": "the worker's set-up: TRL's import, the model, the data mapping and TRL's trainer",
     "data": "the dataset version mapped to TRL's columns (part of setup)",
@@ -21,5 +23,6 @@ OWN_SECONDS = {
     "checkpoint": "TRL's checkpoint-N folders committed to the store",
     "final_commit": "the final model committed as our checkpoint",
 }
+DRIVER_SECONDS = ("driver_import", "start")  # logged by the driver, the rest by the workers' rank 0
 OWN_METRICS = {STEP_METRIC: "wall seconds of TRL's step (its trainer's on_step_begin to on_step_end, rank 0)",
                **{f"trl/{name}_s": text for name, text in OWN_SECONDS.items()}}

@@ -80,10 +80,13 @@ def run_trl(run: TrainingRun) -> Any:
     ctx.progress(f"stage {stage.name}: TRL's {job.trainer} on Ray Train, {backend.num_workers} "
                  f"{'GPU' if backend.use_gpu else 'CPU'} worker(s), {total} step(s) (run key {run.run_key}, "
                  f"Ray Train run {job.ray_run})")
+    imported = time.perf_counter()
+    trainer = _trainer(stage, job, local=is_local(ctx.config.ray))  # Ray Train's import: once per process
+    driver_import_s = time.perf_counter() - imported
     fit_started = time.time()
     with _progress(run, job.trainer):
-        _fit(stage, job, local=is_local(ctx.config.ray))
-    _log_start_seconds(ctx, fit_started, total)
+        _fit(stage, job, trainer)
+    _log_driver_seconds(ctx, fit_started, driver_import_s, total)
     final = latest_checkpoint(ctx.store, root)
     if final is None or final.get("model_format") != FINAL_FORMAT or final["global_step"] < total:
         raise TrlTrainingError(f"stage {stage.name}: Ray Train run {job.ray_run} ended without the final "
@@ -120,12 +123,24 @@ def worker_job(run: TrainingRun, root: str) -> Any:
         extra_env={"TOKENIZERS_PARALLELISM": "false"})
 
 
-def _fit(stage: Any, job: Any, *, local: bool) -> None:
+def _trainer(stage: Any, job: Any, *, local: bool) -> Any:
+    """The stage's `TorchTrainer` (not started)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from omni_core.backends.trl.worker import train_loop
     from omni_core.paths import cache_dir
+
+    class Trainer(TorchTrainer):
+        """Without Ray Data's `DatasetManager` actor, which Ray Train starts for every run (one more Python
+        process booting beside the workers) though the workers read the store themselves. A private
+        method of Ray Train's: should it change, Ray Train's own callbacks run unchanged."""
+
+        def _create_default_callbacks(self) -> list:
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [c for c in callbacks if type(c).__name__ != "DatasetsCallback"]
 
     backend = stage.backend
     # Ray Train's workers send print() to its logger too, also while a library captures stdout (dill prints a
@@ -133,13 +148,16 @@ def _fit(stage: Any, job: Any, *, local: bool) -> None:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     if local:  # this process's own Ray: no node of it can be preempted, so no watcher actor (a process) for that
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    trainer = TorchTrainer(
+    return Trainer(
         train_loop, train_loop_config={"job": asdict(job)},
         scaling_config=ScalingConfig(num_workers=backend.num_workers, use_gpu=backend.use_gpu,
                                      resources_per_worker=backend.worker_resources()),
         torch_config=TorchConfig(backend="nccl" if backend.use_gpu else "gloo"),
         run_config=RunConfig(name=job.ray_run, storage_path=str(cache_dir("ray-train")),
                              failure_config=FailureConfig(max_failures=stage.execution.max_failures)))
+
+
+def _fit(stage: Any, job: Any, trainer: Any) -> None:
     main = threading.current_thread() is threading.main_thread()
     sigint = signal.getsignal(signal.SIGINT) if main else None
     try:
@@ -164,15 +182,16 @@ def _cause(stage: Any, job: Any, exc: Exception) -> Exception:
                             f"{first[-1] if first else type(exc).__name__}")
 
 
-def _log_start_seconds(ctx: Any, fit_started: float, step: int) -> None:
+def _log_driver_seconds(ctx: Any, fit_started: float, driver_import_s: float, step: int) -> None:
     """`trl/start_s`: from `fit()` to the (last) worker group's start (Ray Train's controller, the workers'
-    processes and their imports), beside the workers' own `trl/*_s`."""
+    processes and their imports), and `trl/driver_import_s`, beside the workers' own `trl/*_s`."""
     if not ctx.mlflow_run_id:
         return
+    seconds = {"trl/driver_import_s": driver_import_s}
     started = ctx.tracker.client.get_run(ctx.mlflow_run_id).data.tags.get("omni.trl.worker_started_at")
     if started:
-        ctx.tracker.log_metrics(ctx.mlflow_run_id, {"trl/start_s": float(started) - fit_started}, step=step,
-                                timestamp_ms=int(time.time() * 1000))
+        seconds["trl/start_s"] = float(started) - fit_started
+    ctx.tracker.log_metrics(ctx.mlflow_run_id, seconds, step=step, timestamp_ms=int(time.time() * 1000))
 
 
 def _restarts(ctx: Any) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni_core.backends.trl.metrics import OWN_SECONDS, STEP_METRIC, SUMMARY_KEYS
+from omni_core.backends.trl.metrics import DRIVER_SECONDS, OWN_SECONDS, STEP_METRIC, SUMMARY_KEYS
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class Worker:
         self.store = Store(job.store_root)
         self.started = time.time()
         # the backend's own seconds around TRL's steps (rank 0's), logged at the end: `trl/{name}_s`
-        self.seconds = {name: 0.0 for name in OWN_SECONDS if name != "start"}  # start: the driver's
+        self.seconds = {name: 0.0 for name in OWN_SECONDS if name not in DRIVER_SECONDS}
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
