@@ -112,8 +112,10 @@ def encode_pairs(text_io: Any, rows: Sequence[Row], cache: dict[int, PairIds] | 
     if cache is None or keys is None:
         encoded = [pair_ids(tokenizer, row) for row in rows]
     else:
-        encoded = [cache[key] if key in cache else cache.setdefault(key, pair_ids(tokenizer, row))
-                   for key, row in zip(keys, rows, strict=True)]
+        for key, row in zip(keys, rows, strict=True):
+            if key not in cache:
+                cache[key] = pair_ids(tokenizer, row)
+        encoded = [cache[key] for key in keys]
     sequences = [e.chosen for e in encoded] + [e.rejected for e in encoded]
     inputs = dict(tokenizer.pad({"input_ids": sequences}, padding=True, return_tensors="pt"))
     inputs["position_ids"] = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding
