@@ -309,6 +309,9 @@ class StageRunner:
                 pending[next_batch] = (parts, scores)
                 next_batch += 1
 
+        def cancelled(step: int) -> TrainingCancelled:
+            return TrainingCancelled(f"stage {stage.name}: cancelled before step {step + 1}/{total}")
+
         def saves(version: int) -> bool:
             return version == total or bool(stage.checkpoint.save_freq and version % stage.checkpoint.save_freq == 0)
 
@@ -329,7 +332,7 @@ class StageRunner:
         for step in range(start, total):
             if split:
                 if _cancels[0] != self._cancels_at_start:
-                    raise TrainingCancelled(f"stage {stage.name}: cancelled before step {step + 1}/{total}")
+                    raise cancelled(step)
                 launch_ready()
                 parts, scores = pending.pop(step)
                 learned = attempt.trainer.learn.remote(step, is_dropped(step, ex), len(parts), *parts, *scores)
@@ -338,7 +341,7 @@ class StageRunner:
                 metrics.update(self._rollout_metrics(step, ray.get(parts), ray.get(scores)))
             else:
                 if running is None:
-                    raise TrainingCancelled(f"stage {stage.name}: cancelled before step {step + 1}/{total}")
+                    raise cancelled(step)
                 done, running = ray.get(running), None
                 if step + 1 < total and not saves(step + 1):
                     running = submit(step + 1)
