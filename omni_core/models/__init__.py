@@ -14,7 +14,8 @@ _LAZY = {
     "resolve_adapter": "adapters",
     "PromptEmbeds": "diffusion", "SD3Model": "diffusion", "load_sd3": "diffusion",
     "ACCEPTED_FORMS": "factory", "load_model": "factory", "model_architecture": "factory",
-    "response_logits": "logprobs", "sequence_logprobs": "logprobs", "token_logprobs": "logprobs",
+    "response_logits": "logprobs", "sequence_logprobs": "logprobs", "takes_logits_to_keep": "logprobs",
+    "token_logprobs": "logprobs",
     "LoraSpec": "lora", "apply_lora": "lora", "lora_state_dict": "lora", "trainable_parameter_count": "lora",
     "cache_root": "tiny", "tiny_model_dir": "tiny", "tiny_model_names": "tiny",
 }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -21,9 +20,9 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     return torch.cat([picked.new_zeros(picked.shape[0], width - kept + 1), picked], dim=1)
 
 
-@functools.cache
-def _forward_takes_logits_to_keep(model_type: type) -> bool:
-    return "logits_to_keep" in inspect.signature(model_type.forward).parameters
+def takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forward takes `logits_to_keep` (transformers' causal LMs do)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 def response_logits(model: torch.nn.Module, response_mask: Tensor, **inputs: Tensor) -> Tensor:
@@ -33,7 +32,7 @@ def response_logits(model: torch.nn.Module, response_mask: Tensor, **inputs: Ten
     is scored. The logits cover the last K positions; `token_logprobs` aligns them."""
     target = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # peft
     columns = response_mask.bool().any(0).nonzero()
-    if not len(columns) or not _forward_takes_logits_to_keep(type(target)):
+    if not len(columns) or not takes_logits_to_keep(target):
         return model(**inputs).logits
     keep = response_mask.shape[1] - int(columns[0]) + 1
     return model(**inputs, logits_to_keep=keep).logits

@@ -48,7 +48,6 @@ results carry the version they started with.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +63,7 @@ from transformers.generation.logits_process import (
 )
 
 from omni_core.errors import ConfigError, ModelError
+from omni_core.models.logprobs import takes_logits_to_keep
 from omni_core.rollout.engine import EngineConfig, RolloutEngine, RolloutRequest, RolloutResult
 
 
@@ -258,7 +258,7 @@ class ARengine(RolloutEngine):
         self._rope_index = next((fn for m in (model, getattr(model, "thinker", None))
                                  if callable(fn := getattr(m, "get_rope_index", None))), None)
         self._mrope = self._rope_index is not None
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._logits_to_keep = takes_logits_to_keep(model)
         self._suppress: list[int] = []
         if self.tokenizer is not tokenizer_or_processor:
             from omni_core.models.multimodal_inputs import media_token_ids
